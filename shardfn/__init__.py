@@ -1,0 +1,91 @@
+"""shardfn: functional, JAX-style sharding for PyTorch over torch.func.
+
+Example:
+    >>> import shardfn as sf
+    >>> mesh = sf.Mesh({"dp": 1})
+    >>> sf.P("dp", None)
+    P('dp', None)
+"""
+
+from shardfn import optim, pytree
+from shardfn.functional import FunctionalModel, ShapeDtype, functional
+from shardfn.mesh import Mesh, get_mesh, set_mesh
+from shardfn.primitives import (
+    CommStats,
+    all_gather,
+    all_to_all,
+    axis_index,
+    axis_size,
+    broadcast,
+    comm_stats,
+    pmean,
+    pmean_invariant,
+    ppermute,
+    psum,
+    psum_invariant,
+    psum_scatter,
+    pvary,
+    reset_comm_stats,
+)
+from shardfn.spec import Layout, P, gather, layout_of, local_shape, shard, spec_axes
+from shardfn.transforms import (
+    DataParallel,
+    ShardedOptimizer,
+    ShardedOptState,
+    accumulate_grads,
+    data_parallel,
+    shard_opt_state,
+    split_batch,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommStats",
+    "DataParallel",
+    "FunctionalModel",
+    "ShapeDtype",
+    "ShardedOptState",
+    "ShardedOptimizer",
+    "Layout",
+    "Mesh",
+    "P",
+    "accumulate_grads",
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "broadcast",
+    "comm_stats",
+    "data_parallel",
+    "functional",
+    "gather",
+    "get_mesh",
+    "layout_of",
+    "local_shape",
+    "optim",
+    "pmean",
+    "pmean_invariant",
+    "ppermute",
+    "psum",
+    "psum_invariant",
+    "psum_scatter",
+    "pvary",
+    "pytree",
+    "reset_comm_stats",
+    "set_mesh",
+    "shard",
+    "shard_opt_state",
+    "split_batch",
+    "spec_axes",
+    "testing",
+]
+
+
+def __getattr__(name):
+    # shardfn.testing spawns processes and pulls in cloudpickle: import it on first use.
+    if name == "testing":
+        import importlib
+
+        return importlib.import_module("shardfn.testing")
+    raise AttributeError(f"module 'shardfn' has no attribute {name!r}")

@@ -1,0 +1,160 @@
+"""Leaf-list helpers shared by the optimizers: checked flattening and foreach grouping.
+
+Every optimizer works on the flat list of leaves of the update tree, so that one
+``torch._foreach_*`` call covers all leaves of a (device, dtype) group. These
+helpers do the two boring parts: flatten a tree while checking that it matches
+another one (naming the leaf at fault), and split leaf lists into (device, dtype)
+groups and put the results back in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from shardfn import pytree
+
+PyTree = Any
+
+
+def flatten_tensors(tree: PyTree, what: str) -> tuple[list[torch.Tensor], Any]:
+    """``(leaves, treedef)`` of ``tree``, checking that every leaf is a tensor.
+
+    Raises:
+        TypeError: naming the first leaf that is not a ``torch.Tensor``.
+    """
+    leaves, treedef = pytree.tree_flatten(tree)
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            name = pytree.tree_paths(tree)[i]
+            raise TypeError(
+                f"{what} leaf {name!r} is a {type(leaf).__name__}, expected a torch.Tensor"
+            )
+    return leaves, treedef
+
+
+def leaves_like(
+    other: PyTree, tree: PyTree, treedef: Any, leaves: Sequence[torch.Tensor], *, what: str,
+    other_what: str,
+) -> list[torch.Tensor]:
+    """The leaves of ``other``, checked to have ``tree``'s structure and leaf shapes.
+
+    Args:
+        other: the tree to flatten (params, or a state tree such as Adam's ``mu``).
+        tree: the reference tree (usually the updates), flattened as ``leaves``/``treedef``.
+        treedef: ``tree``'s treedef.
+        leaves: ``tree``'s leaves.
+        what: how to call ``tree`` in errors ("updates").
+        other_what: how to call ``other`` in errors ("params").
+
+    Returns:
+        ``other``'s leaves, in the same order as ``leaves``.
+
+    Raises:
+        ValueError: naming the missing/unexpected leaves, or the leaf whose shape differs.
+        TypeError: naming a leaf of ``other`` that is not a tensor.
+    """
+    other_leaves, other_def = pytree.tree_flatten(other)
+    if other_def != treedef:
+        names = pytree.tree_paths(tree)
+        other_names = pytree.tree_paths(other)
+        missing = [n for n in names if n not in set(other_names)]
+        extra = [n for n in other_names if n not in set(names)]
+        if missing or extra:
+            detail = f"leaves {missing[:5]} are missing from {other_what}"
+            if extra:
+                detail += f", {other_what} has leaves {extra[:5]} that {what} lacks"
+        else:
+            detail = f"same leaf names but different containers ({treedef} vs {other_def})"
+        raise ValueError(f"{what} tree does not match the {other_what} tree: {detail}")
+    for i, (a, b) in enumerate(zip(leaves, other_leaves, strict=True)):
+        if not isinstance(b, torch.Tensor):
+            name = pytree.tree_paths(tree)[i]
+            raise TypeError(f"{other_what} leaf {name!r} is a {type(b).__name__}, "
+                            f"expected a torch.Tensor")
+        if a.shape != b.shape:
+            name = pytree.tree_paths(tree)[i]
+            raise ValueError(f"leaf {name!r}: {what} has shape {tuple(a.shape)} but {other_what} "
+                             f"has shape {tuple(b.shape)}")
+    return other_leaves
+
+
+def foreach_groups(
+    fn: Callable[..., tuple[list, ...]], columns: Sequence[Sequence | None], num_outputs: int
+) -> tuple[list, ...]:
+    """Run ``fn`` once per (device, dtype) group of leaves and reassemble its outputs.
+
+    ``torch._foreach_*`` kernels take their fast path only when all tensors of a
+    list share device and dtype, so a mixed-precision tree is split into groups.
+
+    Args:
+        fn: ``fn(*sub_columns) -> tuple of num_outputs lists`` (each as long as a column).
+        columns: equally long lists, one entry per leaf; a column may be None (passed
+            through as None) or hold non-tensors (e.g. mask bools, ignored for grouping).
+        num_outputs: how many lists ``fn`` returns.
+
+    Returns:
+        ``num_outputs`` lists, one entry per leaf in the original order.
+    """
+    present = [c for c in columns if c is not None]
+    n = len(present[0]) if present else 0
+    if n == 0:
+        return tuple([] for _ in range(num_outputs))
+    groups: dict[tuple, list[int]] = {}
+    for i in range(n):
+        key = tuple(
+            (c[i].device, c[i].dtype) for c in present if isinstance(c[i], torch.Tensor)
+        )
+        groups.setdefault(key, []).append(i)
+    if len(groups) == 1:
+        return tuple(list(out) for out in fn(*columns))
+    results: list[list] = [[None] * n for _ in range(num_outputs)]
+    for index in groups.values():
+        sub = [None if c is None else [c[i] for i in index] for c in columns]
+        for result, out in zip(results, fn(*sub), strict=True):
+            for j, i in enumerate(index):
+                result[i] = out[j]
+    return tuple(results)
+
+
+_HOLE = object()
+
+
+def per_leaf(prefix: PyTree, tree: PyTree, is_prefix_leaf: Callable[[Any], bool]) -> list:
+    """Expand a prefix tree to one entry per leaf of ``tree`` (JAX's prefix rule).
+
+    Unlike :func:`shardfn.pytree.broadcast_prefix`, ``None`` subtrees of ``tree``
+    (masked-out or frozen leaves) get no entry, so the result lines up with
+    ``tree_leaves(tree)``.
+    """
+    filled = pytree.tree_map(lambda x: _HOLE if x is None else x, tree, is_leaf=lambda x: x is None)
+    entries = pytree.broadcast_prefix(prefix, filled, is_prefix_leaf)
+    return [e for e, x in zip(entries, pytree.tree_leaves(filled), strict=True) if x is not _HOLE]
+
+
+def bool_per_leaf(mask: PyTree, tree: PyTree, what: str) -> list[bool]:
+    """Expand a bool mask (a prefix tree, or a callable of ``tree``) to one bool per leaf.
+
+    Raises:
+        ValueError: if the mask is not a prefix of ``tree`` or a mask leaf is not a bool.
+    """
+    if callable(mask):
+        mask = mask(tree)
+    flags = per_leaf(mask, tree, lambda x: isinstance(x, bool))
+    for i, flag in enumerate(flags):
+        if not isinstance(flag, bool):
+            name = pytree.tree_paths(tree)[i]
+            raise ValueError(
+                f"{what}: the mask entry for leaf {name!r} is {flag!r}; mask leaves must be "
+                f"Python bools (True selects the leaf)"
+            )
+    return flags
+
+
+def select(tree: PyTree, flags: Sequence[bool]) -> PyTree:
+    """``tree`` with every leaf whose flag is False replaced by None (an empty subtree)."""
+    leaves, treedef = pytree.tree_flatten(tree)
+    kept = [x if f else None for x, f in zip(leaves, flags, strict=True)]
+    return pytree.tree_unflatten(treedef, kept)

@@ -1,0 +1,267 @@
+"""The optimizer interface (optax's): a pair of pure functions ``init`` and ``update``.
+
+An optimizer is a :class:`GradientTransformation`. ``init(params)`` builds its
+state; ``update(updates, state, params)`` turns gradients into *updates* — the
+deltas to add to the parameters, so negative for descent — and returns the new
+state. :func:`apply_updates` adds them. Nothing is mutated: params, gradients
+and states passed in are left as they were, and new tensors come back.
+
+States are NamedTuples of tensors (pytrees), so they can be saved, sharded and
+gathered like parameters. Step counters are int64 scalar tensors on the CPU:
+the scalar hyper-parameters of a step (bias corrections, scheduled learning
+rates) are computed from them in Python double precision, exactly as
+``torch.optim`` does, without a device sync.
+
+Example:
+    >>> opt = chain(clip_by_global_norm(1.0), adamw(1e-3))
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update(grads, state, params)
+    >>> params = apply_updates(params, updates)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from shardfn import pytree
+from shardfn.optim._tree import flatten_tensors, foreach_groups, leaves_like
+
+PyTree = Any
+Schedule = Callable[[torch.Tensor], float | torch.Tensor]
+ScalarOrSchedule = float | torch.Tensor | Schedule
+
+__all__ = [
+    "EmptyState",
+    "GradientTransformation",
+    "ScaleByScheduleState",
+    "ScalarOrSchedule",
+    "Schedule",
+    "apply_updates",
+    "chain",
+    "identity",
+    "scale",
+    "scale_by_schedule",
+    "set_to_zero",
+]
+
+
+class GradientTransformation(NamedTuple):
+    """A pure optimizer: ``init(params) -> state`` and ``update(updates, state, params)``.
+
+    ``update`` returns ``(updates, new_state)``; ``params`` is optional and only
+    needed by transforms that read the parameters (weight decay).
+
+    Example:
+        >>> opt = sgd(0.1)
+        >>> state = opt.init({"w": torch.zeros(3)})
+        >>> updates, state = opt.update({"w": torch.ones(3)}, state)
+    """
+
+    init: Callable[[PyTree], Any]
+    update: Callable[..., tuple[PyTree, Any]]
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transform."""
+
+
+class ScaleByScheduleState(NamedTuple):
+    """State of :func:`scale_by_schedule`."""
+
+    count: torch.Tensor  # int64 scalar: number of updates done so far
+
+
+def zero_count() -> torch.Tensor:
+    """A fresh step counter: an int64 scalar tensor on the CPU holding 0."""
+    return torch.zeros((), dtype=torch.int64)
+
+
+def resolve_scalar(value: Any, count: torch.Tensor) -> float:
+    """The Python float of a hyper-parameter that may be a schedule of the step count.
+
+    Args:
+        value: a number, a scalar tensor, or ``schedule(count) -> number | scalar tensor``.
+        count: updates done so far (an int64 scalar tensor); step ``t`` (1-based) uses
+            ``schedule(t - 1)``, like ``torch.optim.lr_scheduler`` and optax.
+
+    Returns:
+        The value as a Python float (double precision, as torch.optim uses).
+    """
+    if callable(value):
+        value = value(count)
+    return float(value)
+
+
+def check_scalar(
+    value: Any, name: str, *, low: float = 0.0, high: float | None = None,
+    schedule_ok: bool = False,
+) -> None:
+    """Validate a hyper-parameter: a number (or, if ``schedule_ok``, a schedule).
+
+    Schedules are checked only when called.
+
+    Raises:
+        TypeError: if ``value`` is neither a number, a scalar tensor nor an allowed callable.
+        ValueError: if a number is out of ``[low, high)``.
+    """
+    if callable(value):
+        if schedule_ok:
+            return
+        raise TypeError(f"{name} must be a number, got the callable {value!r}")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        value = float(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number or a schedule, got {value!r}")
+    if value < low or (high is not None and value >= high):
+        bound = f"[{low}, {high})" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """Add ``updates`` to ``params`` leaf by leaf (a new tree; inputs are not mutated).
+
+    Each result keeps its parameter's dtype (a float32 update on bf16 params
+    gives bf16 params).
+
+    Args:
+        params: the parameter tree.
+        updates: a tree of the same structure and leaf shapes.
+
+    Returns:
+        The new parameter tree.
+
+    Raises:
+        ValueError: naming the leaf where the trees differ.
+
+    Example:
+        >>> apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})
+        {'w': tensor([0.5000, 0.5000])}
+    """
+    param_leaves, treedef = flatten_tensors(params, "params")
+    update_leaves = leaves_like(
+        updates, params, treedef, param_leaves, what="params", other_what="updates"
+    )
+
+    def add(ps, us):
+        return ([r.to(p.dtype) for r, p in zip(torch._foreach_add(ps, us), ps, strict=True)],)
+
+    (new,) = foreach_groups(add, [param_leaves, update_leaves], 1)
+    return pytree.tree_unflatten(treedef, new)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply transforms one after the other; the state is the tuple of their states.
+
+    Args:
+        *transforms: the transforms, in the order they act on the updates.
+
+    Returns:
+        A transform whose state is ``tuple(t.init(params) for t in transforms)``.
+
+    Example:
+        >>> opt = chain(clip_by_global_norm(1.0), sgd(0.1, momentum=0.9))
+    """
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(f"chain: argument {i} is a {type(t).__name__}, "
+                            f"expected a GradientTransformation")
+
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates, state, params=None):
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            raise ValueError(f"chain of {len(transforms)} transforms got a state that is not a "
+                             f"tuple of {len(transforms)} states: {type(state).__name__}")
+        new_state = []
+        for t, s in zip(transforms, state, strict=True):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+def identity() -> GradientTransformation:
+    """Pass updates through unchanged (stateless).
+
+    Example:
+        >>> multi_transform({"train": adam(1e-3), "keep": identity()}, labels)
+    """
+
+    def init(params):
+        return EmptyState()
+
+    def update(updates, state, params=None):
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+def set_to_zero() -> GradientTransformation:
+    """Replace every update by zeros (freezes the leaves it is applied to).
+
+    Example:
+        >>> multi_transform({"train": adam(1e-3), "frozen": set_to_zero()}, labels)
+    """
+
+    def init(params):
+        return EmptyState()
+
+    def update(updates, state, params=None):
+        return pytree.tree_map(torch.zeros_like, updates), state
+
+    return GradientTransformation(init, update)
+
+
+def scale(factor: float) -> GradientTransformation:
+    """Multiply every update by a constant ``factor``.
+
+    Example:
+        >>> chain(clip_by_global_norm(1.0), scale(-0.1))   # plain SGD with lr 0.1
+    """
+    check_scalar(factor, "factor", low=-float("inf"))
+    factor = float(factor)
+
+    def init(params):
+        return EmptyState()
+
+    def update(updates, state, params=None):
+        leaves, treedef = flatten_tensors(updates, "updates")
+        (new,) = foreach_groups(lambda us: (torch._foreach_mul(us, factor),), [leaves], 1)
+        return pytree.tree_unflatten(treedef, new), state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
+    """Multiply updates by ``schedule(count)``, ``count`` being the updates done so far.
+
+    Args:
+        schedule: ``schedule(step) -> float | scalar tensor`` (see ``optim.schedules``).
+
+    Returns:
+        A transform with state :class:`ScaleByScheduleState`.
+
+    Example:
+        >>> lr = schedules.warmup_cosine_decay(1.0, 100, 1000)
+        >>> chain(clip_by_global_norm(1.0), scale(-1e-3), scale_by_schedule(lr))
+    """
+    if not callable(schedule):
+        raise TypeError(f"scale_by_schedule: schedule must be callable, got {schedule!r}")
+
+    def init(params):
+        return ScaleByScheduleState(count=zero_count())
+
+    def update(updates, state, params=None):
+        factor = resolve_scalar(schedule, state.count)
+        leaves, treedef = flatten_tensors(updates, "updates")
+        (new,) = foreach_groups(lambda us: (torch._foreach_mul(us, factor),), [leaves], 1)
+        return pytree.tree_unflatten(treedef, new), ScaleByScheduleState(state.count + 1)
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,194 @@
+"""Gradient clipping by global norm (torch.nn.utils.clip_grad_norm_), sharding-aware.
+
+The global norm is ``sqrt(sum over leaves of sum(g**2))``. When the gradient
+tree is sharded, each rank holds only part of some leaves; pass the spec tree
+(``P`` per leaf, a prefix tree is fine) and each leaf's local sum of squares is
+``psum``-ed over the mesh axes its spec names. Leaves are grouped by that axis
+set, so there is one psum per distinct set (not per leaf) and replicated leaves
+are counted once, not once per rank.
+
+Wrappers that give an optimizer only this rank's part of every leaf (ZeRO's
+``shard_opt_state``) run it inside :func:`sharded_over`, which adds their axis
+to every leaf's set.
+
+Communication: one scalar all-reduce per distinct non-empty axis set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from shardfn import pytree
+from shardfn.optim._tree import flatten_tensors, foreach_groups, per_leaf
+from shardfn.optim.base import EmptyState, GradientTransformation, check_scalar
+
+__all__ = ["clip_by_global_norm", "global_norm", "sharded_over"]
+
+PyTree = Any
+
+# (axes, mesh) set by sharded_over: axes every leaf seen by global_norm is sharded over
+_SHARDED_OVER: contextvars.ContextVar[tuple[tuple[str, ...], Any]] = contextvars.ContextVar(
+    "shardfn_optim_sharded_over", default=((), None)
+)
+
+
+@contextlib.contextmanager
+def sharded_over(axis: str | tuple[str, ...], mesh: Any = None) -> Iterator[None]:
+    """Within this context, every leaf that :func:`global_norm` sees is a shard over ``axis``.
+
+    For wrappers that hand an optimizer only this rank's part of each leaf
+    (``shard_opt_state``, ZeRO): a ``clip_by_global_norm`` inside the wrapped
+    optimizer then psums every leaf's sum of squares over ``axis`` too (on top of
+    the axes its own ``specs`` name), so it clips by the norm of the full tree.
+    Contexts nest; their axes add up.
+
+    Args:
+        axis: a mesh axis name or a tuple of names.
+        mesh: the mesh of ``axis``; None leaves it to ``clip_by_global_norm``'s
+            ``mesh`` argument or the current mesh.
+
+    Example:
+        >>> with sharded_over("dp", mesh):
+        ...     local_updates, state = opt.update(local_grads, state, local_params)
+    """
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    outer_axes, outer_mesh = _SHARDED_OVER.get()
+    token = _SHARDED_OVER.set(
+        (tuple(sorted(set(outer_axes) | set(axes))), mesh if mesh is not None else outer_mesh)
+    )
+    try:
+        yield
+    finally:
+        _SHARDED_OVER.reset(token)
+
+
+def global_norm(updates: PyTree, specs: PyTree = None, mesh: Any = None) -> torch.Tensor:
+    """The 2-norm of all leaves of ``updates`` together, summed over shards if sharded.
+
+    Args:
+        updates: a tree of tensors (gradients), possibly local shards.
+        specs: None (nothing sharded) or a tree of ``P`` / ``Layout`` / None (replicated),
+            a prefix of ``updates``' structure.
+        mesh: the mesh the specs refer to; None uses the mesh of an enclosing
+            :func:`sharded_over`, else the current mesh (only needed when some
+            leaf is sharded).
+
+    Returns:
+        A scalar tensor (float32, or the widest floating dtype among the leaves),
+        identical on every rank.
+
+    Example:
+        >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
+        tensor(5.)
+    """
+    leaves, _ = flatten_tensors(updates, "updates")
+    context_axes, context_mesh = _SHARDED_OVER.get()
+    mesh = mesh if mesh is not None else context_mesh
+
+    def with_context(axes: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(sorted(set(axes) | set(context_axes)))
+
+    axes_per_leaf = [with_context(a) for a in _axes_per_leaf(specs, updates)]
+    # Every rank must issue the same psums in the same order, whatever its local
+    # leaves: take the axis sets from the spec tree too, and sort them.
+    axis_sets = sorted({with_context(()), *axes_per_leaf,
+                        *(with_context(a) for a in _spec_tree_axis_sets(specs))})
+    if not leaves and axis_sets == [()]:
+        return torch.zeros(())
+
+    (norms,) = foreach_groups(lambda gs: (torch._foreach_norm(gs),), [leaves], 1)
+    dtype = torch.float32
+    for n in norms:
+        dtype = torch.promote_types(dtype, n.dtype)
+    if leaves:
+        device = leaves[0].device
+    else:  # nothing local, but this rank still takes part in the psums
+        from shardfn.mesh import get_mesh
+
+        device = get_mesh(mesh).device
+    squares: dict[tuple[str, ...], list[torch.Tensor]] = {axes: [] for axes in axis_sets}
+    for axes, n in zip(axes_per_leaf, norms, strict=True):
+        squares[axes].append(n.to(device=device, dtype=dtype))
+    total = torch.zeros((), dtype=dtype, device=device)
+    for axes in axis_sets:
+        group = squares[axes]
+        sum_of_squares = (torch.stack(group).square().sum() if group
+                          else torch.zeros((), dtype=dtype, device=device))
+        if axes:
+            from shardfn.primitives import psum
+
+            sum_of_squares = psum(sum_of_squares, axes[0] if len(axes) == 1 else axes, mesh=mesh)
+        total = total + sum_of_squares
+    return total.sqrt()
+
+
+def clip_by_global_norm(max_norm: float, specs: PyTree = None,
+                        mesh: Any = None) -> GradientTransformation:
+    """Scale updates by ``min(1, max_norm / (global_norm + 1e-6))`` (clip_grad_norm_).
+
+    Args:
+        max_norm: the largest global norm let through.
+        specs: for sharded gradients, a (prefix) tree of ``P`` / ``Layout`` / None per
+            leaf; see :func:`global_norm`.
+        mesh: the mesh ``specs`` refer to; None uses the current mesh.
+
+    Returns:
+        A stateless :class:`GradientTransformation`.
+
+    Example:
+        >>> opt = chain(clip_by_global_norm(1.0, specs=model.specs), adamw(1e-3))
+    """
+    check_scalar(max_norm, "max_norm")
+    max_norm = float(max_norm)
+
+    def init(params):
+        return EmptyState()
+
+    def update(updates, state, params=None):
+        leaves, treedef = flatten_tensors(updates, "updates")
+        norm = global_norm(updates, specs, mesh)  # collective when sharded: every rank calls it
+        if not leaves:
+            return updates, state
+        clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+        def clip(gs):
+            return (torch._foreach_mul(gs, clip_coef.to(gs[0].device)),)
+
+        (clipped,) = foreach_groups(clip, [leaves], 1)
+        return pytree.tree_unflatten(treedef, clipped), state
+
+    return GradientTransformation(init, update)
+
+
+def _spec_tree_axis_sets(specs: PyTree) -> set[tuple[str, ...]]:
+    """The distinct sorted axis sets named anywhere in the spec tree."""
+    if specs is None:
+        return set()
+    from shardfn.spec import Layout, P, spec_axes
+
+    spec_leaves = pytree.tree_leaves(specs, is_leaf=lambda x: isinstance(x, (P, Layout)))
+    return {tuple(sorted(set(spec_axes(s)))) for s in spec_leaves if isinstance(s, (P, Layout))}
+
+
+def _axes_per_leaf(specs: PyTree, tree: PyTree) -> list[tuple[str, ...]]:
+    """The sorted mesh axes each leaf of ``tree`` is sharded over (``()`` = replicated)."""
+    n = len(pytree.tree_leaves(tree))
+    if specs is None:
+        return [()] * n
+    from shardfn.spec import Layout, P, spec_axes
+
+    spec_leaves = per_leaf(specs, tree, lambda x: isinstance(x, (P, Layout)))
+    names = None
+    axes = []
+    for i, spec in enumerate(spec_leaves):
+        if spec is not None and not isinstance(spec, (P, Layout)):
+            names = names or pytree.tree_paths(tree)
+            raise ValueError(f"clip_by_global_norm: the spec for leaf {names[i]!r} is {spec!r}; "
+                             f"expected a P, a Layout or None (replicated)")
+        axes.append(tuple(sorted(set(spec_axes(spec)))))
+    return axes

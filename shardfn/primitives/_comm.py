@@ -1,0 +1,146 @@
+"""Raw (non-differentiable) collectives on plain tensors over one mesh axis.
+
+These call the ``torch.ops._c10d_functional`` ops, which are the only ones that
+run correctly inside the backward of an ``autograd.Function`` under
+``torch.func.grad`` (see design.md). Each call records its bytes in
+:mod:`shardfn.primitives.stats` and marks itself as in flight for hang reports.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from shardfn.mesh import AxisName, Mesh, get_mesh
+from shardfn.primitives import stats
+
+_ops = torch.ops._c10d_functional
+
+
+class Axis(NamedTuple):
+    """A resolved mesh axis (or product of axes) as seen from this rank."""
+
+    names: tuple[str, ...]
+    size: int
+    index: int
+    group: dist.ProcessGroup | None
+    ranks: tuple[int, ...]
+
+    @property
+    def key(self) -> str:
+        """Counter key: the axis names joined with '+'."""
+        return "+".join(self.names)
+
+    @property
+    def group_name(self) -> str:
+        return self.group.group_name  # type: ignore[union-attr]
+
+    def describe(self, op: str) -> str:
+        return f"{op} over axis {self.key!r} (group ranks {list(self.ranks)})"
+
+
+def resolve(axis: AxisName, mesh: Mesh | None = None) -> Axis:
+    """Resolve ``axis`` against ``mesh`` (or the current mesh).
+
+    Raises:
+        ValueError: for an unknown axis or when there is no mesh.
+    """
+    if not isinstance(axis, (str, tuple, list)):
+        raise TypeError(f"axis must be a mesh axis name or a tuple of names, got {axis!r}")
+    mesh = get_mesh(mesh)
+    names = mesh.axes(axis)
+    return Axis(
+        names,
+        mesh.size(names),
+        mesh.index(names),
+        mesh.group(names),
+        tuple(mesh.group_ranks(names)),
+    )
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def psum(x: torch.Tensor, ax: Axis) -> torch.Tensor:
+    """Sum ``x`` over the ranks of ``ax``."""
+    if ax.size == 1:
+        return x.clone()
+    stats.record(ax.key, "psum", 2 * _nbytes(x) * (ax.size - 1) / ax.size)
+    with stats.collective_scope(ax.describe("psum")):
+        return _ops.wait_tensor(_ops.all_reduce(x.contiguous(), "sum", ax.group_name))
+
+
+def all_gather(x: torch.Tensor, ax: Axis, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in axis-index order."""
+    if ax.size == 1:
+        return x.clone()
+    moved = x.movedim(dim, 0).contiguous()
+    stats.record(ax.key, "all_gather", _nbytes(x) * (ax.size - 1))
+    with stats.collective_scope(ax.describe("all_gather")):
+        out = _ops.wait_tensor(_ops.all_gather_into_tensor(moved, ax.size, ax.group_name))
+    return out.movedim(0, dim)
+
+
+def psum_scatter(x: torch.Tensor, ax: Axis, dim: int) -> torch.Tensor:
+    """Sum ``x`` over the axis and keep this rank's block of ``dim``."""
+    if x.shape[dim] % ax.size:
+        raise ValueError(
+            f"psum_scatter over axis {ax.key!r} needs dim {dim} (size {x.shape[dim]}) "
+            f"divisible by the axis size {ax.size}; pad it first (sf.shard pads for you)"
+        )
+    if ax.size == 1:
+        return x.clone()
+    moved = x.movedim(dim, 0).contiguous()
+    stats.record(ax.key, "psum_scatter", _nbytes(x) * (ax.size - 1) / ax.size)
+    with stats.collective_scope(ax.describe("psum_scatter")):
+        out = _ops.wait_tensor(_ops.reduce_scatter_tensor(moved, "sum", ax.size, ax.group_name))
+    return out.movedim(0, dim)
+
+
+def all_to_all(x: torch.Tensor, ax: Axis, split_dim: int, concat_dim: int) -> torch.Tensor:
+    """Send block j of ``split_dim`` to rank j; concatenate what arrives on ``concat_dim``."""
+    if x.shape[split_dim] % ax.size:
+        raise ValueError(
+            f"all_to_all over axis {ax.key!r} needs split dim {split_dim} (size "
+            f"{x.shape[split_dim]}) divisible by the axis size {ax.size}"
+        )
+    if ax.size == 1:
+        return x.clone()
+    moved = x.movedim(split_dim, 0).contiguous()
+    block = moved.shape[0] // ax.size
+    stats.record(ax.key, "all_to_all", _nbytes(x) * (ax.size - 1) / ax.size)
+    with stats.collective_scope(ax.describe("all_to_all")):
+        out = _ops.wait_tensor(
+            _ops.all_to_all_single(moved, [block] * ax.size, [block] * ax.size, ax.group_name)
+        )
+    pieces = [piece.movedim(0, split_dim) for piece in out.split(block)]
+    return torch.cat(pieces, dim=concat_dim)
+
+
+def ppermute(x: torch.Tensor, ax: Axis, perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """Send ``x`` from axis index ``src`` to ``dst`` for each pair; zeros where nothing arrives."""
+    sends_to = [dst for src, dst in perm if src == ax.index]
+    receives_from = [src for src, dst in perm if dst == ax.index]
+    if ax.size == 1:
+        return x.clone() if sends_to else torch.zeros_like(x)
+    rows = x.reshape(1, -1).expand(len(sends_to), -1).contiguous()
+    in_splits = [1 if j in sends_to else 0 for j in range(ax.size)]
+    out_splits = [1 if j in receives_from else 0 for j in range(ax.size)]
+    stats.record(ax.key, "ppermute", _nbytes(x) * len(sends_to))
+    with stats.collective_scope(ax.describe("ppermute")):
+        out = _ops.wait_tensor(_ops.all_to_all_single(rows, out_splits, in_splits, ax.group_name))
+    if not receives_from:
+        return torch.zeros_like(x)
+    return out.reshape(x.shape)
+
+
+def broadcast(x: torch.Tensor, ax: Axis, src: int) -> torch.Tensor:
+    """Every rank gets the ``x`` of axis index ``src``."""
+    if ax.size == 1:
+        return x.clone()
+    stats.record(ax.key, "broadcast", _nbytes(x) * (ax.size - 1) / ax.size)
+    with stats.collective_scope(ax.describe("broadcast")):
+        return _ops.wait_tensor(_ops.broadcast(x.contiguous(), src, ax.group_name))

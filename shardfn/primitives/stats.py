@@ -1,0 +1,119 @@
+"""Communication counters: bytes each collective moved, per mesh axis.
+
+Every shardfn collective records, on the rank that runs it, the bytes *this rank
+sends* under the bandwidth-optimal (ring) algorithm, the figure the ZeRO paper
+counts with. For ``N`` ranks on the axis and a tensor of ``B`` bytes:
+
+=================  =====================================
+collective         bytes sent per rank
+=================  =====================================
+psum / pmean       ``2 B (N-1)/N``  (reduce-scatter + all-gather)
+all_gather         ``B_out (N-1)/N`` (``B_out`` = gathered size)
+psum_scatter       ``B_in (N-1)/N``  (``B_in`` = input size)
+all_to_all         ``B (N-1)/N``
+broadcast          ``B (N-1)/N``     (pipelined)
+ppermute           ``B`` if this rank sends, else 0
+=================  =====================================
+
+Counts are kept per axis key (``"dp"``, or ``"dp+tp"`` for a tuple of axes) and
+per collective name; backward passes count too, since they communicate.
+
+Example:
+    >>> reset_comm_stats()
+    >>> comm_stats().total_bytes
+    0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import defaultdict
+from collections.abc import Iterator
+
+__all__ = ["CommStats", "comm_stats", "in_flight", "record", "reset_comm_stats"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CommStats:
+    """A snapshot of the counters.
+
+    Attributes:
+        bytes: ``{axis key: bytes sent by this rank}``.
+        calls: ``{axis key: number of collectives}``.
+        by_op: ``{(axis key, op name): bytes}``.
+        calls_by_op: ``{op name: number of collectives}``.
+    """
+
+    bytes: dict[str, int]
+    calls: dict[str, int]
+    by_op: dict[tuple[str, str], int]
+    calls_by_op: dict[str, int]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes sent over all axes."""
+        return sum(self.bytes.values())
+
+    @property
+    def total_calls(self) -> int:
+        """Collectives issued over all axes."""
+        return sum(self.calls.values())
+
+    def op_bytes(self, op: str) -> int:
+        """Bytes sent by collectives named ``op`` over all axes."""
+        return sum(b for (_, name), b in self.by_op.items() if name == op)
+
+    def op_calls(self, op: str) -> int:
+        """Number of collectives named ``op`` over all axes."""
+        return self.calls_by_op.get(op, 0)
+
+
+_BYTES: dict[str, int] = defaultdict(int)
+_CALLS: dict[str, int] = defaultdict(int)
+_BY_OP: dict[tuple[str, str], int] = defaultdict(int)
+_OP_CALLS: dict[str, int] = defaultdict(int)
+_IN_FLIGHT: list[str] = []
+
+
+def record(axis_key: str, op: str, nbytes: float) -> None:
+    """Add one collective of ``nbytes`` sent bytes on ``axis_key`` to the counters."""
+    nbytes = int(round(nbytes))
+    _BYTES[axis_key] += nbytes
+    _CALLS[axis_key] += 1
+    _BY_OP[(axis_key, op)] += nbytes
+    _OP_CALLS[op] += 1
+
+
+def comm_stats() -> CommStats:
+    """A snapshot of the bytes and calls recorded since the last reset.
+
+    Returns:
+        A :class:`CommStats`.
+
+    Example:
+        >>> comm_stats().bytes.get("dp", 0) >= 0
+        True
+    """
+    return CommStats(dict(_BYTES), dict(_CALLS), dict(_BY_OP), dict(_OP_CALLS))
+
+
+def reset_comm_stats() -> None:
+    """Zero every counter."""
+    for table in (_BYTES, _CALLS, _BY_OP, _OP_CALLS):
+        table.clear()
+
+
+@contextlib.contextmanager
+def collective_scope(description: str) -> Iterator[None]:
+    """Mark ``description`` as the collective in flight on this rank (for hang reports)."""
+    _IN_FLIGHT.append(description)
+    try:
+        yield
+    finally:
+        _IN_FLIGHT.pop()
+
+
+def in_flight() -> str | None:
+    """The collective this rank is blocked in, or None (read by the local world's watchdog)."""
+    return _IN_FLIGHT[-1] if _IN_FLIGHT else None

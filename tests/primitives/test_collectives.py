@@ -1,0 +1,265 @@
+"""Collectives: forward and gradients equal a single-process reference.
+
+Every rank's input is drawn in the test process; the ranks run the collective
+and its gradient (torch.func.grad, grad_and_value, vjp and torch.autograd) on
+the local world; the reference runs all ranks' computation in this process and
+differentiates ``sum_r <cotangent_r, out_r>`` with autograd (JAX's rule).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.testing import assert_close
+
+import shardfn as sf
+from shardfn.testing import reference as ref
+
+MESHES = {1: [{"x": 1}], 2: [{"x": 2}], 3: [{"x": 3}], 4: [{"x": 4}, {"a": 2, "b": 2}]}
+
+# op -> (needs the chosen dim divisible by the axis size, reference forward)
+OPS = {
+    "psum": (False, lambda xs, g, kw: ref.ref_psum(xs, g)),
+    "pmean": (False, lambda xs, g, kw: [y / len(g[0]) for y in ref.ref_psum(xs, g)]),
+    "all_gather": (False, lambda xs, g, kw: ref.ref_all_gather(xs, g, kw["dim"])),
+    "psum_scatter": (True, lambda xs, g, kw: ref.ref_psum_scatter(xs, g, kw["dim"])),
+    "all_to_all": (True, lambda xs, g, kw: ref.ref_all_to_all(
+        xs, g, kw["split_dim"], kw["concat_dim"])),
+    "ppermute": (False, lambda xs, g, kw: ref.ref_ppermute(xs, g, kw["perm"])),
+    "broadcast": (False, lambda xs, g, kw: ref.ref_broadcast(xs, g, kw["src"])),
+}
+
+
+@st.composite
+def cases(draw, op: str):
+    n = draw(st.integers(1, 4))
+    shape = draw(st.sampled_from(MESHES[n]))
+    names = list(shape)
+    axis = draw(st.sampled_from(names + ([tuple(names)] if len(names) > 1 else [])))
+    size = shape[axis] if isinstance(axis, str) else n
+    ndim = draw(st.integers(1, 3))
+    dims = draw(st.lists(st.integers(1, 5), min_size=ndim, max_size=ndim))
+    dim = draw(st.integers(-ndim, ndim - 1))
+    kwargs: dict = {}
+    if op in ("all_gather", "psum_scatter"):
+        kwargs["dim"] = dim
+    if op == "all_to_all":
+        kwargs["split_dim"] = dim
+        kwargs["concat_dim"] = draw(st.integers(-ndim, ndim - 1))
+    if OPS[op][0]:
+        dims[dim] *= size
+    if op == "ppermute":
+        dests = draw(st.permutations(range(size)))
+        keep = draw(st.integers(0, size))
+        kwargs["perm"] = [(s, d) for s, d in zip(range(size), dests, strict=True)][:keep]
+    if op == "broadcast":
+        kwargs["src"] = draw(st.integers(0, size - 1))
+    seed = draw(st.integers(0, 2**16))
+    return n, shape, axis, tuple(dims), kwargs, seed
+
+
+def _on_rank(op, shape, axis, xs, cotangents, kwargs):
+    import torch.distributed as dist
+
+    import shardfn as sf
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mesh = sf.Mesh(shape)
+    x, cot = xs[rank], cotangents[rank]
+
+    def f(x):
+        return getattr(sf, op)(x, axis, mesh=mesh, **kwargs)
+
+    def loss(x):
+        return (f(x) * cot).sum()
+
+    out = f(x)
+    g_func = torch.func.grad(loss)(x)
+    g_gv, value = torch.func.grad_and_value(loss)(x)
+    _, vjp_fn = torch.func.vjp(f, x)
+    (g_vjp,) = vjp_fn(cot)
+    leaf = x.clone().requires_grad_()
+    loss(leaf).backward()
+    return out, {"grad": g_func, "grad_and_value": g_gv, "vjp": g_vjp, "autograd": leaf.grad}, value
+
+
+def _check(worlds, op, case, ref_grads=None):
+    n, shape, axis, dims, kwargs, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(dims, generator=gen) for _ in range(n)]
+    groups = ref.axis_groups(shape, axis)
+    leaves = [x.clone().requires_grad_() for x in xs]
+    ref_out = OPS[op][1](leaves, groups, kwargs) if op in OPS else None
+    if ref_out is None:
+        ref_out = ref_forward_invariant(op, leaves, groups)
+    cotangents = [torch.randn(o.shape, generator=gen) for o in ref_out]
+    if ref_grads is None:
+        total = sum((o * c).sum() for o, c in zip(ref_out, cotangents, strict=True))
+        if not total.requires_grad:  # e.g. an empty ppermute: every output is zeros
+            total = total + 0.0 * sum(x.sum() for x in leaves)
+        ref_grads = torch.autograd.grad(total, leaves, allow_unused=True)
+        ref_grads = [torch.zeros_like(x) if g is None else g for x, g in zip(xs, ref_grads,
+                                                                            strict=True)]
+    else:
+        ref_grads = ref_grads(cotangents, groups)
+    results = worlds(n).run(_on_rank, op, shape, axis, xs, cotangents, kwargs)
+    for rank, (out, grads, value) in enumerate(results):
+        assert_close(out, ref_out[rank].detach(), msg=lambda m, r=rank: f"rank {r} forward: {m}")
+        assert_close(value, (ref_out[rank] * cotangents[rank]).sum().detach())
+        for how, g in grads.items():
+            assert_close(g, ref_grads[rank], msg=lambda m, r=rank, h=how: f"rank {r} {h}: {m}")
+
+
+def ref_forward_invariant(op, xs, groups):
+    if op in ("psum_invariant", "pmean_invariant"):
+        sums = ref.ref_psum(xs, groups)
+        return sums if op == "psum_invariant" else [s / len(groups[0]) for s in sums]
+    assert op == "pvary"
+    return [x * 1.0 for x in xs]
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_collective_matches_reference(worlds, op):
+    @given(case=cases(op))
+    def check(case):
+        _check(worlds, op, case)
+
+    check()
+
+
+@pytest.mark.parametrize("op", ["psum_invariant", "pmean_invariant", "pvary"])
+def test_invariant_forms(worlds, op):
+    """psum_invariant/pmean_invariant: identity (scaled) backward; pvary: psum backward."""
+
+    def grads(cotangents, groups):
+        n = len(groups[0])
+        if op == "psum_invariant":
+            return cotangents
+        if op == "pmean_invariant":
+            return [c / n for c in cotangents]
+        return ref.ref_psum(cotangents, groups)
+
+    @given(case=cases("psum"))
+    def check(case):
+        _check(worlds, op, case, ref_grads=grads)
+
+    check()
+
+
+def test_psum_gradient_rule_is_not_double_counted(worlds):
+    """The classic data-parallel loss: pmean_invariant of local losses, grad = mean of grads."""
+
+    def on_rank(xs):
+        import torch.distributed as dist
+
+        import shardfn as sf
+
+        mesh = sf.Mesh({"dp": 4})
+        w = torch.ones(3)
+        x = xs[dist.get_rank()]
+
+        def loss(w):
+            return sf.pmean_invariant((x * w).sum() ** 2, "dp", mesh=mesh)
+
+        def loss_varying(w):
+            return sf.pmean((x * w).sum() ** 2, "dp", mesh=mesh)
+
+        return torch.func.grad(loss)(w), torch.func.grad(loss_varying)(w)
+
+    xs = [torch.randn(3) for _ in range(4)]
+    w = torch.ones(3, requires_grad=True)
+    expected = torch.autograd.grad(sum((x * w).sum() ** 2 for x in xs) / 4, w)[0]
+    for rank, (g_inv, g_var) in enumerate(worlds(4).run(on_rank, xs)):
+        x = xs[rank]
+        own = torch.autograd.grad((x * w).sum() ** 2, w)[0]
+        # invariant form: each rank's gradient of its share; psum of them is the true gradient
+        assert_close(g_inv, own / 4)
+        # varying form: per-rank output summed over ranks counts the mean 4 times
+        assert_close(g_var, own)
+    assert_close(sum(r[0] for r in worlds(4).run(on_rank, xs)), expected)
+
+
+def test_vmap_over_collectives(worlds):
+    def on_rank():
+        import torch.distributed as dist
+
+        import shardfn as sf
+
+        mesh = sf.Mesh({"dp": 2})
+        x = torch.arange(6.0).reshape(3, 2) + 10 * dist.get_rank()
+        gathered = torch.func.vmap(lambda v: sf.all_gather(v, "dp", mesh=mesh))(x)
+        summed = torch.func.vmap(lambda v: sf.psum(v, "dp", mesh=mesh), in_dims=1)(x)
+        return gathered, summed
+
+    (g0, s0), (g1, s1) = worlds(2).run(on_rank)
+    x0, x1 = torch.arange(6.0).reshape(3, 2), torch.arange(6.0).reshape(3, 2) + 10
+    assert_close(g0, torch.cat([x0, x1], dim=1))
+    assert_close(s0, (x0 + x1).T)
+    assert_close(g1, g0)
+    assert_close(s1, s0)
+
+
+def test_comm_stats_counts_ring_bytes(worlds):
+    def on_rank():
+        import shardfn as sf
+
+        mesh = sf.Mesh({"dp": 4})
+        sf.reset_comm_stats()
+        x = torch.zeros(8)  # 32 bytes
+        sf.psum(x, "dp", mesh=mesh)
+        sf.all_gather(x, "dp", mesh=mesh)
+        sf.psum_scatter(x, "dp", mesh=mesh)
+        stats = sf.comm_stats()
+        sf.reset_comm_stats()
+        return stats, sf.comm_stats().total_bytes
+
+    for stats, after_reset in worlds(4).run(on_rank):
+        assert stats.by_op[("dp", "psum")] == 2 * 32 * 3 / 4
+        assert stats.by_op[("dp", "all_gather")] == 4 * 32 * 3 / 4
+        assert stats.by_op[("dp", "psum_scatter")] == 32 * 3 / 4
+        assert stats.calls["dp"] == 3
+        assert after_reset == 0
+
+
+def test_collective_errors_name_the_axis(worlds):
+    def on_rank():
+        import shardfn as sf
+
+        mesh = sf.Mesh({"dp": 2})
+        errors = []
+        for call in (
+            lambda: sf.psum(torch.ones(2), "tp", mesh=mesh),
+            lambda: sf.psum_scatter(torch.ones(3), "dp", mesh=mesh),
+            lambda: sf.all_gather(torch.ones(2), "dp", dim=3, mesh=mesh),
+            lambda: sf.ppermute(torch.ones(2), "dp", [(0, 1), (1, 1)], mesh=mesh),
+            lambda: sf.psum({"w": 1.0}, "dp", mesh=mesh),
+            lambda: sf.psum(torch.ones(2), "dp"),
+        ):
+            try:
+                call()
+                errors.append(None)
+            except (ValueError, TypeError) as err:
+                errors.append(str(err))
+        return errors
+
+    errors = worlds(2).run(on_rank)[0]
+    assert "unknown mesh axis 'tp'" in errors[0]
+    assert "divisible by the axis size 2" in errors[1]
+    assert "dim 3 is out of range" in errors[2]
+    assert "repeats a source or a destination" in errors[3]
+    assert "leaf 'w'" in errors[4]
+    assert "no mesh" in errors[5]
+
+
+def test_mesh_context_and_single_process():
+    """A world of one process: no process group, collectives are identities."""
+    mesh = sf.Mesh({"dp": 1, "tp": 1})
+    x = torch.randn(3)
+    with mesh:
+        assert_close(sf.psum(x, "dp"), x)
+        assert_close(sf.all_gather(x, ("dp", "tp")), x)
+        assert sf.axis_index("tp") == 0 and sf.axis_size(("dp", "tp")) == 1
+    with pytest.raises(ValueError, match="no mesh"):
+        sf.psum(x, "dp")
