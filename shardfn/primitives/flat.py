@@ -212,6 +212,17 @@ class FlatPartition:
             outs = [_ops.wait_tensor(h) for h in handles]
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
+    def reduce_scatter_bucket(self, block: torch.Tensor, ax: Axis) -> torch.Tensor:
+        """Issue the reduce-scatter of one padded bucket; pass the result to :meth:`wait`."""
+        if ax.size == 1:
+            return block.clone()
+        stats.record(ax.key, "psum_scatter", _bytes(block) * (ax.size - 1) / ax.size)
+        return _ops.reduce_scatter_tensor(block.contiguous(), "sum", ax.size, ax.group_name)
+
+    def wait(self, handle: torch.Tensor) -> torch.Tensor:
+        """Wait for a collective issued by this class (a no-op for a 1-rank axis)."""
+        return _ops.wait_tensor(handle) if self.size > 1 else handle
+
     def all_gather(self, chunk: torch.Tensor, ax: Axis) -> torch.Tensor:
         """Gather every rank's chunk into the padded flat vector."""
         if ax.size == 1:

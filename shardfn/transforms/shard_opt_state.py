@@ -16,12 +16,15 @@ into one whose state covers only this rank's part of the parameters:
 3. The updates are **all-gathered**, so every rank returns the full updates
    for ``apply_updates``, exactly as the unsharded optimizer would.
 
-ZeRO-1 versus ZeRO-2: with ``shard_grads=True`` the returned state also holds
-no gradient and the reduce-scattered gradient part is the only reduced
-gradient a rank ever holds; without it (ZeRO-1, FairScale OSS) the same
-collectives run, but ``reduce_grads`` (for logging or custom steps) returns the
-full averaged gradient tree via an extra all-gather. In a pure step both hold
-the local gradient tree only transiently.
+ZeRO-1 versus ZeRO-2. In a pure step (``torch.func.grad`` returns the whole
+local gradient tree) both run the same two collectives and a rank never holds
+the full *reduced* gradient. With ``shard_grads=True`` (ZeRO-2, FairScale
+ShardedDataParallel) the optimizer also offers ``overlap(params)`` for autograd
+steps: hooks reduce-scatter each bucket as soon as backward has produced all
+its gradients, while backward goes on, and free every ``.grad`` once its
+buckets are sent, so a rank holds only its reduced gradient part plus the
+buckets in flight; ``update(sync.grads(), state, params)`` then skips the
+reduction. Without it (ZeRO-1, FairScale OSS) ``overlap`` is not offered.
 
 Memory per rank: optimizer state ``K * T / N`` for an optimizer with ``K``
 state tensors per parameter (Adam: ``K = 2``), plus padding.
@@ -34,6 +37,13 @@ Example:
     >>> grads = torch.func.grad(loss)(params, local_batch)   # no pmean needed
     >>> updates, state = opt.update(grads, state, params)
     >>> params = sf.optim.apply_updates(params, updates)
+
+    ZeRO-2 with autograd (``params`` are leaf tensors that require grad):
+
+    >>> opt = sf.shard_opt_state(sf.optim.adamw(1e-3), mesh, "dp", shard_grads=True)
+    >>> with opt.overlap(params) as sync:
+    ...     loss_fn(params, local_batch).backward()
+    >>> updates, state = opt.update(sync.grads(), state, params)
 """
 
 from __future__ import annotations
@@ -52,7 +62,7 @@ from shardfn.optim.clipping import sharded_over
 from shardfn.primitives import _comm
 from shardfn.primitives.flat import FlatPartition
 
-__all__ = ["ShardedOptState", "ShardedOptimizer", "shard_opt_state"]
+__all__ = ["ReducedGrads", "ShardedOptState", "ShardedOptimizer", "shard_opt_state"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -70,6 +80,17 @@ class ShardedOptState(NamedTuple):
     partition: torch.Tensor
 
 
+class ReducedGrads(NamedTuple):
+    """This rank's averaged gradient part, already reduce-scattered (``update`` skips the
+    reduction when it gets one).
+
+    Attributes:
+        local: a tree with the parameters' structure of 1-D pieces this rank owns.
+    """
+
+    local: Any
+
+
 class ShardedOptimizer(NamedTuple):
     """A :class:`GradientTransformation` with ZeRO partitioning, plus state conversions.
 
@@ -83,6 +104,9 @@ class ShardedOptimizer(NamedTuple):
         reduce_grads: ``reduce_grads(local_grads, params)`` -> this rank's averaged
             gradient part (a tree of 1-D pieces).
         partition: ``partition(params) -> FlatPartition``.
+        overlap: with ``shard_grads=True``, ``overlap(params)``: a context manager
+            whose hooks reduce-scatter gradients during ``backward()`` (ZeRO-2);
+            its ``grads()`` returns the :class:`ReducedGrads`. None otherwise.
     """
 
     init: Callable
@@ -91,6 +115,7 @@ class ShardedOptimizer(NamedTuple):
     shard_state: Callable
     reduce_grads: Callable
     partition: Callable
+    overlap: Callable | None
 
 
 def shard_opt_state(
@@ -136,17 +161,20 @@ def shard_opt_state(
     def reduce_grads(grads, params):
         part = partition(params)
         pytree.tree_map(lambda g, p: None, grads, params)  # structure check, names leaves
-        chunk = part.reduce_scatter(part.flatten(grads), ax)
-        if average and ax.size > 1:
-            chunk = chunk / ax.size
-        return part.unflatten_local(chunk)
+        return part.unflatten_local(finish(part.reduce_scatter(part.flatten(grads), ax)))
+
+    def finish(chunk: torch.Tensor) -> torch.Tensor:
+        return chunk / ax.size if average and ax.size > 1 else chunk
 
     def update(grads, state: ShardedOptState, params):
         if params is None:
             raise ValueError("shard_opt_state's update needs params (to lay out the partition)")
         part = partition(params)
         _check_partition(state, record(part))
-        local_grads = reduce_grads(grads, params)
+        if isinstance(grads, ReducedGrads):
+            local_grads = grads.local
+        else:
+            local_grads = reduce_grads(grads, params)
         with sharded_over(axis, mesh):
             local_updates, inner = opt.update(local_grads, state.inner, part.local(params))
         full = part.unflatten(part.all_gather(part.flatten_local(local_updates), ax))
@@ -164,8 +192,80 @@ def shard_opt_state(
         part = partition(params)
         return ShardedOptState(_map_state(full_inner, params, part, part.local), record(part))
 
-    del shard_grads  # same collectives in a pure step; see the module docstring
-    return ShardedOptimizer(init, update, gather_state, shard_state, reduce_grads, partition)
+    def overlap(params) -> _Zero2Overlap:
+        return _Zero2Overlap(params, partition(params), ax, finish)
+
+    return ShardedOptimizer(init, update, gather_state, shard_state, reduce_grads, partition,
+                            overlap if shard_grads else None)
+
+
+class _Zero2Overlap:
+    """Backward hooks that reduce-scatter flat buckets as their gradients arrive."""
+
+    def __init__(self, params, part: FlatPartition, ax, finish: Callable):
+        self.names, self.leaves, _ = pytree.tree_flatten_with_path(params)
+        for name, leaf in zip(self.names, self.leaves, strict=True):
+            if not (isinstance(leaf, torch.Tensor) and leaf.is_leaf and leaf.requires_grad):
+                raise ValueError(f"overlap: leaf {name!r} must be a leaf tensor that requires grad")
+        self.part, self.ax, self.finish = part, ax, finish
+        ends = [o + leaf.numel() for o, leaf in zip(part.offsets, self.leaves, strict=True)]
+        # buckets[b] = leaves overlapping bucket b; a leaf may span several buckets
+        self.members = [[i for i, (o, e) in enumerate(zip(part.offsets, ends, strict=True))
+                         if o < stop and e > start] for start, stop in part.buckets]
+        self.buckets_of = {i: [b for b, m in enumerate(self.members) if i in m]
+                           for i in range(len(self.leaves))}
+
+    def __enter__(self) -> _Zero2Overlap:
+        self.pending = [len(m) for m in self.members]
+        self.unsent = {i: len(bs) for i, bs in self.buckets_of.items()}
+        self.flat_grads: dict[int, torch.Tensor] = {}
+        self.handles: dict[int, torch.Tensor] = {}
+        self.hooks = [leaf.register_post_accumulate_grad_hook(self._hook_for(i))
+                      for i, leaf in enumerate(self.leaves)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+    def _hook_for(self, i: int):
+        def hook(param):
+            self.flat_grads[i] = param.grad.reshape(-1)
+            param.grad = None  # the full local gradient lives only until its buckets are sent
+            for b in self.buckets_of[i]:
+                self.pending[b] -= 1
+                if self.pending[b] == 0:
+                    self._launch(b)
+
+        return hook
+
+    def _launch(self, b: int) -> None:
+        start, stop = self.part.buckets[b]
+        pieces = []
+        for i in self.members[b]:
+            offset, numel = self.part.offsets[i], self.leaves[i].numel()
+            lo, hi = max(start, offset) - offset, min(stop, offset + numel) - offset
+            pieces.append(self.flat_grads[i][lo:hi].to(self.part.dtype))
+            self.unsent[i] -= 1
+            if self.unsent[i] == 0:
+                del self.flat_grads[i]
+        pad = self.part.size * self.part.block(b) - (stop - start)
+        if pad:
+            pieces.append(pieces[0].new_zeros(pad))
+        self.handles[b] = self.part.reduce_scatter_bucket(torch.cat(pieces), self.ax)
+
+    def grads(self) -> ReducedGrads:
+        """Wait for every bucket; this rank's averaged gradient part."""
+        missing = [self.names[i] for i, n in self.unsent.items() if n and i not in self.flat_grads]
+        if missing:
+            raise RuntimeError(f"overlap: no gradient arrived for {missing[:5]}; every leaf "
+                               "passed to overlap() must take part in the loss")
+        for b in range(len(self.part.buckets)):
+            if b not in self.handles:
+                self._launch(b)
+        chunks = [self.part.wait(self.handles[b]) for b in range(len(self.part.buckets))]
+        chunk = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+        return ReducedGrads(self.part.unflatten_local(self.finish(chunk)))
 
 
 def _map_state(state, params, part: FlatPartition, fn):
