@@ -30,12 +30,18 @@ from shardfn.primitives import (
 from shardfn.spec import Layout, P, gather, layout_of, local_shape, shard, spec_axes
 from shardfn.transforms import (
     DataParallel,
+    LossScaler,
+    ScaleState,
     ShardedOptimizer,
     ShardedOptState,
     accumulate_grads,
+    all_finite,
     data_parallel,
+    dynamic_loss_scale,
     shard_opt_state,
+    skip_nonfinite,
     split_batch,
+    static_loss_scale,
 )
 
 __version__ = "0.1.0"
@@ -44,13 +50,16 @@ __all__ = [
     "CommStats",
     "DataParallel",
     "FunctionalModel",
+    "ScaleState",
     "ShapeDtype",
     "ShardedOptState",
     "ShardedOptimizer",
     "Layout",
+    "LossScaler",
     "Mesh",
     "P",
     "accumulate_grads",
+    "all_finite",
     "all_gather",
     "all_to_all",
     "axis_index",
@@ -58,6 +67,7 @@ __all__ = [
     "broadcast",
     "comm_stats",
     "data_parallel",
+    "dynamic_loss_scale",
     "functional",
     "gather",
     "get_mesh",
@@ -76,7 +86,9 @@ __all__ = [
     "set_mesh",
     "shard",
     "shard_opt_state",
+    "skip_nonfinite",
     "split_batch",
+    "static_loss_scale",
     "spec_axes",
     "testing",
 ]

@@ -2,14 +2,28 @@
 
 from shardfn.transforms.accumulate import accumulate_grads, split_batch
 from shardfn.transforms.data_parallel import DataParallel, data_parallel
+from shardfn.transforms.loss_scale import (
+    LossScaler,
+    ScaleState,
+    all_finite,
+    dynamic_loss_scale,
+    skip_nonfinite,
+    static_loss_scale,
+)
 from shardfn.transforms.shard_opt_state import ShardedOptimizer, ShardedOptState, shard_opt_state
 
 __all__ = [
     "DataParallel",
+    "LossScaler",
+    "ScaleState",
     "ShardedOptState",
     "ShardedOptimizer",
     "accumulate_grads",
+    "all_finite",
     "data_parallel",
+    "dynamic_loss_scale",
     "shard_opt_state",
+    "skip_nonfinite",
     "split_batch",
+    "static_loss_scale",
 ]

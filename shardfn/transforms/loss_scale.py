@@ -1,0 +1,209 @@
+"""Loss scaling for fp16 training: a pure dynamic loss scaler and a finite-step guard.
+
+fp16 gradients underflow unless the loss is multiplied by a large factor
+before differentiation and the gradients divided by it afterwards. The dynamic
+scaler (``torch.amp.GradScaler`` / FairScale ``ShardedGradScaler`` semantics)
+halves the scale when a step produced inf/NaN gradients — skipping that step —
+and doubles it after ``growth_interval`` finite steps in a row.
+
+With sharded gradients every rank sees only its shard, so the inf/NaN check is
+reduced over every mesh axis the gradients are split over (``axes=``): one
+overflowing shard skips the step on all ranks together and their scales stay
+equal.
+
+State is a NamedTuple of tensors, so it is saved and restored with the rest.
+
+Example:
+    >>> scaler = dynamic_loss_scale(init_scale=2.0**16)
+    >>> sstate = scaler.init()
+    >>> grads = torch.func.grad(lambda p: scaler.scale(loss_fn(p, batch), sstate))(params)
+    >>> finite = all_finite(grads, axes="dp", mesh=mesh)
+    >>> grads = scaler.unscale(grads, sstate)
+    >>> updates, opt_state = skip_nonfinite(opt).update(grads, opt_state, params, finite=finite)
+    >>> sstate = scaler.update(sstate, finite)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from shardfn import pytree
+from shardfn.mesh import AxisName, Mesh
+from shardfn.optim.base import GradientTransformation
+
+__all__ = [
+    "LossScaler",
+    "ScaleState",
+    "all_finite",
+    "dynamic_loss_scale",
+    "skip_nonfinite",
+    "static_loss_scale",
+]
+
+
+class ScaleState(NamedTuple):
+    """State of a loss scaler.
+
+    Attributes:
+        scale: float32 scalar, the current loss scale.
+        good_steps: int64 scalar, finite steps since the last change of scale.
+    """
+
+    scale: torch.Tensor
+    good_steps: torch.Tensor
+
+
+class LossScaler(NamedTuple):
+    """A pure loss scaler.
+
+    Attributes:
+        init: ``init() -> ScaleState``.
+        scale: ``scale(loss, state) -> loss * scale``.
+        unscale: ``unscale(grads, state) -> grads / scale`` as float32 (master precision:
+            unscaled fp16 gradients would underflow again).
+        update: ``update(state, finite) -> state`` after a step (``finite``: bool or
+            bool tensor, the same on every rank, e.g. from :func:`all_finite`).
+    """
+
+    init: Callable[[], ScaleState]
+    scale: Callable[[torch.Tensor, ScaleState], torch.Tensor]
+    unscale: Callable[[Any, ScaleState], Any]
+    update: Callable[[ScaleState, Any], ScaleState]
+
+
+def _scale(loss: torch.Tensor, state: ScaleState) -> torch.Tensor:
+    # a 0-dim float32 factor keeps the loss's dtype but multiplies in float32 arithmetic,
+    # so a scale above the fp16 maximum (65504) does not turn into inf by itself
+    return loss * state.scale
+
+
+def _unscale(grads, state: ScaleState):
+    inv = 1.0 / state.scale.to(torch.float32)
+    return pytree.tree_map(lambda g: g.to(torch.float32) * inv, grads)
+
+
+def dynamic_loss_scale(init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                       backoff_factor: float = 0.5, growth_interval: int = 2000,
+                       min_scale: float = 1.0) -> LossScaler:
+    """A dynamic loss scaler: back off on overflow, grow after a run of finite steps.
+
+    Args:
+        init_scale: the first scale.
+        growth_factor: multiply the scale by this after ``growth_interval`` finite steps.
+        backoff_factor: multiply the scale by this after a non-finite step.
+        growth_interval: finite steps in a row before growing.
+        min_scale: the scale never drops below this.
+
+    Returns:
+        A :class:`LossScaler`.
+
+    Example:
+        >>> scaler = dynamic_loss_scale(init_scale=8.0, growth_interval=2)
+        >>> s = scaler.update(scaler.update(scaler.init(), True), True)
+        >>> float(s.scale)
+        16.0
+    """
+    if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and growth_interval >= 1):
+        raise ValueError("need growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1; "
+                         f"got {growth_factor}, {backoff_factor}, {growth_interval}")
+
+    def init() -> ScaleState:
+        return ScaleState(torch.tensor(float(init_scale)), torch.zeros((), dtype=torch.int64))
+
+    def update(state: ScaleState, finite) -> ScaleState:
+        if bool(finite):
+            good = state.good_steps + 1
+            if int(good) >= growth_interval:
+                return ScaleState(state.scale * growth_factor, torch.zeros_like(good))
+            return ScaleState(state.scale.clone(), good)
+        scale = torch.clamp(state.scale * backoff_factor, min=min_scale)
+        return ScaleState(scale, torch.zeros_like(state.good_steps))
+
+    return LossScaler(init, _scale, _unscale, update)
+
+
+def static_loss_scale(scale: float) -> LossScaler:
+    """A loss scaler whose scale never changes.
+
+    Example:
+        >>> float(static_loss_scale(128.0).init().scale)
+        128.0
+    """
+
+    def init() -> ScaleState:
+        return ScaleState(torch.tensor(float(scale)), torch.zeros((), dtype=torch.int64))
+
+    def update(state: ScaleState, finite) -> ScaleState:
+        return state
+
+    return LossScaler(init, _scale, _unscale, update)
+
+
+def all_finite(tree, axes: AxisName | tuple[()] = (), *, mesh: Mesh | None = None) -> bool:
+    """Whether every leaf is free of inf/NaN on every rank of ``axes``.
+
+    Args:
+        tree: a pytree of tensors (e.g. this rank's gradient shards).
+        axes: the mesh axes the tree is split (or differs) over; the check is
+            reduced over them so every rank gets the same answer. ``()``: local only.
+        mesh: overrides the current mesh.
+
+    Returns:
+        A Python bool, identical on every rank of ``axes``.
+
+    Example:
+        >>> all_finite({"w": torch.tensor([1.0, float("inf")])})
+        False
+    """
+    leaves = [x for x in pytree.tree_leaves(tree) if x.is_floating_point()]
+    bad = torch.zeros((), dtype=torch.float32)
+    for leaf in leaves:
+        bad = bad + (~torch.isfinite(leaf)).sum().to(torch.float32).cpu()
+    if axes:
+        from shardfn.primitives import psum
+
+        with torch.no_grad():
+            bad = psum(bad, axes, mesh=mesh)
+    return bool(bad == 0)
+
+
+class _SkipState(NamedTuple):
+    inner: Any
+    skipped: torch.Tensor  # int64 scalar: steps skipped so far
+
+
+def skip_nonfinite(opt: GradientTransformation) -> GradientTransformation:
+    """Wrap ``opt`` so a step with non-finite gradients changes nothing.
+
+    ``update(grads, state, params, finite=...)``: when ``finite`` is False the
+    updates are zeros and the wrapped state is returned unchanged (so moments and
+    step counts do not advance), like ``GradScaler.step`` skipping
+    ``optimizer.step()``. ``finite`` defaults to a local check; pass the result of
+    :func:`all_finite` reduced over the sharding axes for sharded gradients.
+
+    Args:
+        opt: the optimizer to guard.
+
+    Returns:
+        A :class:`GradientTransformation` whose state counts skipped steps.
+
+    Example:
+        >>> opt = skip_nonfinite(sf.optim.adamw(1e-3))
+    """
+
+    def init(params) -> _SkipState:
+        return _SkipState(opt.init(params), torch.zeros((), dtype=torch.int64))
+
+    def update(grads, state: _SkipState, params=None, *, finite=None):
+        if finite is None:
+            finite = all_finite(grads)
+        if not bool(finite):
+            zeros = pytree.tree_map(torch.zeros_like, grads)
+            return zeros, _SkipState(state.inner, state.skipped + 1)
+        updates, inner = opt.update(grads, state.inner, params)
+        return updates, _SkipState(inner, state.skipped.clone())
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,106 @@
+"""Loss scaling: overflow on one rank's shard skips the step everywhere and halves the scale."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.testing import assert_close
+
+from shardfn.transforms.loss_scale import (
+    all_finite,
+    dynamic_loss_scale,
+    skip_nonfinite,
+    static_loss_scale,
+)
+
+
+def _step_with_inf(bad_rank: int, bad_step: int, steps: int):
+    import torch.distributed as dist
+
+    import shardfn as sf
+    from shardfn.transforms.loss_scale import all_finite, dynamic_loss_scale, skip_nonfinite
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    mesh = sf.Mesh({"dp": n})
+    full = {"w": torch.arange(12.0).reshape(6, 2) / 10, "b": torch.ones(3)}
+    specs = {"w": sf.P("dp"), "b": sf.P()}
+    shards = sf.shard(full, specs, mesh)
+    scaler = dynamic_loss_scale(init_scale=1024.0, growth_interval=100)
+    opt = skip_nonfinite(sf.optim.adam(0.1))
+    sstate, ostate = scaler.init(), opt.init(shards)
+    history = []
+    for step in range(steps):
+        scale = sstate.scale
+        grads = sf.pytree.tree_map(lambda p, s=scale: torch.ones_like(p) * s, shards)
+        if rank == bad_rank and step == bad_step:
+            grads["w"] = grads["w"].clone()
+            grads["w"][0, 0] = float("inf")
+        finite = all_finite(grads, "dp", mesh=mesh)
+        grads = scaler.unscale(grads, sstate)
+        before = (shards, ostate)
+        updates, ostate = opt.update(grads, ostate, shards, finite=finite)
+        shards = sf.optim.apply_updates(shards, updates)
+        sstate = scaler.update(sstate, finite)
+        history.append((finite, float(sstate.scale), int(ostate.inner.count),
+                        all(torch.equal(a, b) for a, b in zip(
+                            sf.pytree.tree_leaves(before[0]), sf.pytree.tree_leaves(shards),
+                            strict=True))))
+    return history
+
+
+@given(n=st.integers(2, 4), bad_rank=st.integers(0, 3), bad_step=st.integers(0, 2))
+def test_inf_on_one_rank_skips_the_step_on_every_rank(worlds, n, bad_rank, bad_step):
+    bad_rank %= n
+    results = worlds(n).run(_step_with_inf, bad_rank, bad_step, 3)
+    for rank, history in enumerate(results):
+        assert history == results[0], f"rank {rank} disagrees with rank 0"
+        for step, (finite, scale, count, unchanged) in enumerate(history):
+            skipped = step >= bad_step
+            assert finite == (step != bad_step)
+            assert scale == (512.0 if skipped else 1024.0)
+            assert count == (step if skipped else step + 1)  # adam's count did not advance
+            assert unchanged == (step == bad_step)  # no parameter changes on the skipped step
+
+
+def test_scale_grows_after_the_interval_and_respects_min_scale():
+    scaler = dynamic_loss_scale(init_scale=4.0, growth_interval=3, min_scale=1.0)
+    state = scaler.init()
+    scales = []
+    for finite in [True, True, True, True, False, False, False, True]:
+        state = scaler.update(state, finite)
+        scales.append(float(state.scale))
+    assert scales == [4.0, 4.0, 8.0, 8.0, 4.0, 2.0, 1.0, 1.0]
+    assert float(static_loss_scale(8.0).update(static_loss_scale(8.0).init(), False).scale) == 8.0
+
+
+def test_scaling_rescues_fp16_gradients_that_underflow():
+    x = torch.full((4,), 1e-4, dtype=torch.float16)
+    w = torch.full((4,), 1e-4, dtype=torch.float16)
+
+    def loss(w, factor):
+        return (w * x).sum().float() * factor  # fp16 compute, fp32 loss (as autocast)
+
+    plain = torch.func.grad(loss)(w, 1e-4)  # 1e-8 per element underflows in fp16
+    scaler = dynamic_loss_scale(init_scale=2.0**16)
+    state = scaler.init()
+    scaled = torch.func.grad(lambda w: scaler.scale(loss(w, 1e-4), state))(w)
+    unscaled = scaler.unscale({"w": scaled}, state)["w"]
+    assert torch.count_nonzero(plain) == 0
+    assert_close(unscaled.float(), torch.full((4,), 1e-8), rtol=1e-2, atol=0)
+
+
+def test_all_finite_local():
+    assert all_finite({"a": torch.ones(2), "b": torch.zeros(1)})
+    assert not all_finite({"a": torch.tensor([1.0, float("nan")])})
+    opt = skip_nonfinite(torch_free_sgd())
+    state = opt.init({"w": torch.ones(2)})
+    bad = {"w": torch.tensor([float("inf"), 1.0])}
+    updates, state = opt.update(bad, state, {"w": torch.ones(2)})
+    assert torch.equal(updates["w"], torch.zeros(2)) and int(state.skipped) == 1
+
+
+def torch_free_sgd():
+    import shardfn as sf
+
+    return sf.optim.sgd(0.1)
