@@ -31,6 +31,7 @@ from shardfn.spec import Layout, P, gather, layout_of, local_shape, shard, spec_
 from shardfn.transforms import (
     DataParallel,
     LossScaler,
+    Precision,
     ScaleState,
     ShardedOptimizer,
     ShardedOptState,
@@ -42,6 +43,7 @@ from shardfn.transforms import (
     skip_nonfinite,
     split_batch,
     static_loss_scale,
+    with_precision,
 )
 
 __version__ = "0.1.0"
@@ -56,6 +58,7 @@ __all__ = [
     "ShardedOptimizer",
     "Layout",
     "LossScaler",
+    "Precision",
     "Mesh",
     "P",
     "accumulate_grads",
@@ -89,6 +92,7 @@ __all__ = [
     "skip_nonfinite",
     "split_batch",
     "static_loss_scale",
+    "with_precision",
     "spec_axes",
     "testing",
 ]

@@ -143,12 +143,18 @@ class FlatPartition:
         return pytree.tree_unflatten(self.treedef, out)
 
     # ---- flat buffers --------------------------------------------------------------
-    def flatten(self, tree) -> torch.Tensor:
-        """The padded flat vector (``N * chunk`` elements) of the full ``tree``."""
+    def flatten(self, tree, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The padded flat vector (``N * chunk`` elements) of the full ``tree``.
+
+        Args:
+            tree: a tree with the planned structure and shapes.
+            dtype: the buffer's dtype (default: the plan's).
+        """
+        dtype = dtype or self.dtype
         leaves = pytree.tree_leaves(tree)
         self._check(leaves)
-        real = torch.cat([x.reshape(-1).to(self.dtype) for x in leaves]) if leaves else \
-            torch.zeros(0, dtype=self.dtype)
+        real = torch.cat([x.reshape(-1).to(dtype) for x in leaves]) if leaves else \
+            torch.zeros(0, dtype=dtype)
         parts = []
         for b, (start, stop) in enumerate(self.buckets):
             parts.append(real[start:stop])

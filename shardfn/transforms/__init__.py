@@ -10,20 +10,24 @@ from shardfn.transforms.loss_scale import (
     skip_nonfinite,
     static_loss_scale,
 )
+from shardfn.transforms.precision import Precision, cast_floating, with_precision
 from shardfn.transforms.shard_opt_state import ShardedOptimizer, ShardedOptState, shard_opt_state
 
 __all__ = [
     "DataParallel",
     "LossScaler",
+    "Precision",
     "ScaleState",
     "ShardedOptState",
     "ShardedOptimizer",
     "accumulate_grads",
     "all_finite",
+    "cast_floating",
     "data_parallel",
     "dynamic_loss_scale",
     "shard_opt_state",
     "skip_nonfinite",
     "split_batch",
     "static_loss_scale",
+    "with_precision",
 ]

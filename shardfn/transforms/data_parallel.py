@@ -32,6 +32,7 @@ from shardfn import pytree
 from shardfn.mesh import AxisName, Mesh
 from shardfn.primitives import _comm
 from shardfn.primitives.flat import FlatPartition, all_reduce_async
+from shardfn.transforms.precision import Precision
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -52,7 +53,7 @@ class DataParallel(NamedTuple):
 
 
 def data_parallel(mesh: Mesh, axis: AxisName = "dp", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                  average: bool = True) -> DataParallel:
+                  average: bool = True, precision: Precision | None = None) -> DataParallel:
     """Average gradients over ``axis`` in flat buckets (DDP semantics).
 
     Args:
@@ -60,6 +61,8 @@ def data_parallel(mesh: Mesh, axis: AxisName = "dp", *, bucket_bytes: int = DEFA
         axis: the data-parallel axis (or tuple of axes).
         bucket_bytes: bytes per all-reduce bucket.
         average: divide the sum by the axis size (mean over ranks).
+        precision: its ``reduce_dtype`` (if set) is the dtype gradients are
+            all-reduced in; results come back in each gradient's own dtype.
 
     Returns:
         A :class:`DataParallel`.
@@ -68,6 +71,7 @@ def data_parallel(mesh: Mesh, axis: AxisName = "dp", *, bucket_bytes: int = DEFA
         >>> dp = sf.data_parallel(mesh, "dp", bucket_bytes=2**20)
     """
     ax = _comm.resolve(axis, mesh)
+    reduce_dtype = precision.reduce_dtype if precision is not None else None
 
     def plan(tree) -> FlatPartition:
         leaves = pytree.tree_leaves(tree)
@@ -78,13 +82,13 @@ def data_parallel(mesh: Mesh, axis: AxisName = "dp", *, bucket_bytes: int = DEFA
         if ax.size == 1:
             return grads
         part = plan(grads)
-        flat = part.all_reduce(part.flatten(grads), ax)
+        flat = part.all_reduce(part.flatten(grads, reduce_dtype), ax)
         if average:
             flat = flat / ax.size
         return pytree.tree_map(lambda r, g: r.to(g.dtype), part.unflatten(flat), grads)
 
     def overlap(params) -> _Overlap:
-        return _Overlap(params, ax, bucket_bytes, average)
+        return _Overlap(params, ax, bucket_bytes, average, reduce_dtype)
 
     return DataParallel(reduce_grads, overlap)
 
@@ -92,12 +96,13 @@ def data_parallel(mesh: Mesh, axis: AxisName = "dp", *, bucket_bytes: int = DEFA
 class _Overlap:
     """Hooks that all-reduce gradient buckets as backward produces them."""
 
-    def __init__(self, params, ax, bucket_bytes: int, average: bool):
+    def __init__(self, params, ax, bucket_bytes: int, average: bool,
+                 reduce_dtype: torch.dtype | None):
         self.names, self.leaves, self.treedef = pytree.tree_flatten_with_path(params)
         for name, leaf in zip(self.names, self.leaves, strict=True):
             if not (isinstance(leaf, torch.Tensor) and leaf.is_leaf and leaf.requires_grad):
                 raise ValueError(f"overlap: leaf {name!r} must be a leaf tensor that requires grad")
-        self.ax, self.average = ax, average
+        self.ax, self.average, self.reduce_dtype = ax, average, reduce_dtype
         self.buckets: list[list[int]] = []
         size = 0
         for i in reversed(range(len(self.leaves))):
@@ -134,7 +139,8 @@ class _Overlap:
         return hook
 
     def _launch(self, b: int) -> None:
-        grads = [self.leaves[i].grad.reshape(-1) for i in self.buckets[b]]
+        dtype = self.reduce_dtype or self.leaves[self.buckets[b][0]].grad.dtype
+        grads = [self.leaves[i].grad.reshape(-1).to(dtype) for i in self.buckets[b]]
         flat = torch.cat(grads) if len(grads) > 1 else grads[0].clone()
         self.handles[b] = all_reduce_async(flat, self.ax) if self.ax.size > 1 else flat
 

@@ -61,6 +61,7 @@ from shardfn.optim.base import GradientTransformation
 from shardfn.optim.clipping import sharded_over
 from shardfn.primitives import _comm
 from shardfn.primitives.flat import FlatPartition
+from shardfn.transforms.precision import Precision
 
 __all__ = ["ReducedGrads", "ShardedOptState", "ShardedOptimizer", "shard_opt_state"]
 
@@ -126,6 +127,7 @@ def shard_opt_state(
     shard_grads: bool = False,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     average: bool = True,
+    precision: Precision | None = None,
 ) -> ShardedOptimizer:
     """Shard ``opt``'s state (and the gradient reduction) over ``axis`` (ZeRO-1/2).
 
@@ -136,6 +138,8 @@ def shard_opt_state(
         shard_grads: ZeRO-2: keep only the reduce-scattered gradient part (see module doc).
         bucket_bytes: bytes per reduce-scatter / all-gather bucket (over all ranks).
         average: divide the summed gradients by the axis size (data-parallel mean).
+        precision: its ``reduce_dtype`` (if set) is the dtype gradients are
+            reduce-scattered in; the optimizer gets them in the parameters' dtype.
 
     Returns:
         A :class:`ShardedOptimizer`; its ``init``/``update`` replace ``opt``'s.
@@ -144,6 +148,7 @@ def shard_opt_state(
         >>> opt = sf.shard_opt_state(sf.optim.adam(1e-3), mesh, "dp", shard_grads=True)
     """
     ax = _comm.resolve(axis, mesh)
+    reduce_dtype = precision.reduce_dtype if precision is not None else None
 
     def partition(params) -> FlatPartition:
         leaves = pytree.tree_leaves(params)
@@ -161,10 +166,12 @@ def shard_opt_state(
     def reduce_grads(grads, params):
         part = partition(params)
         pytree.tree_map(lambda g, p: None, grads, params)  # structure check, names leaves
-        return part.unflatten_local(finish(part.reduce_scatter(part.flatten(grads), ax)))
+        flat = part.flatten(grads, reduce_dtype)
+        return part.unflatten_local(finish(part.reduce_scatter(flat, ax), part.dtype))
 
-    def finish(chunk: torch.Tensor) -> torch.Tensor:
-        return chunk / ax.size if average and ax.size > 1 else chunk
+    def finish(chunk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        chunk = chunk / ax.size if average and ax.size > 1 else chunk
+        return chunk.to(dtype)
 
     def update(grads, state: ShardedOptState, params):
         if params is None:
@@ -193,7 +200,7 @@ def shard_opt_state(
         return ShardedOptState(_map_state(full_inner, params, part, part.local), record(part))
 
     def overlap(params) -> _Zero2Overlap:
-        return _Zero2Overlap(params, partition(params), ax, finish)
+        return _Zero2Overlap(params, partition(params), ax, finish, reduce_dtype)
 
     return ShardedOptimizer(init, update, gather_state, shard_state, reduce_grads, partition,
                             overlap if shard_grads else None)
@@ -202,12 +209,14 @@ def shard_opt_state(
 class _Zero2Overlap:
     """Backward hooks that reduce-scatter flat buckets as their gradients arrive."""
 
-    def __init__(self, params, part: FlatPartition, ax, finish: Callable):
+    def __init__(self, params, part: FlatPartition, ax, finish: Callable,
+                 reduce_dtype: torch.dtype | None):
         self.names, self.leaves, _ = pytree.tree_flatten_with_path(params)
         for name, leaf in zip(self.names, self.leaves, strict=True):
             if not (isinstance(leaf, torch.Tensor) and leaf.is_leaf and leaf.requires_grad):
                 raise ValueError(f"overlap: leaf {name!r} must be a leaf tensor that requires grad")
         self.part, self.ax, self.finish = part, ax, finish
+        self.reduce_dtype = reduce_dtype or part.dtype
         ends = [o + leaf.numel() for o, leaf in zip(part.offsets, self.leaves, strict=True)]
         # buckets[b] = leaves overlapping bucket b; a leaf may span several buckets
         self.members = [[i for i, (o, e) in enumerate(zip(part.offsets, ends, strict=True))
@@ -245,7 +254,7 @@ class _Zero2Overlap:
         for i in self.members[b]:
             offset, numel = self.part.offsets[i], self.leaves[i].numel()
             lo, hi = max(start, offset) - offset, min(stop, offset + numel) - offset
-            pieces.append(self.flat_grads[i][lo:hi].to(self.part.dtype))
+            pieces.append(self.flat_grads[i][lo:hi].to(self.reduce_dtype))
             self.unsent[i] -= 1
             if self.unsent[i] == 0:
                 del self.flat_grads[i]
@@ -265,7 +274,7 @@ class _Zero2Overlap:
                 self._launch(b)
         chunks = [self.part.wait(self.handles[b]) for b in range(len(self.part.buckets))]
         chunk = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
-        return ReducedGrads(self.part.unflatten_local(self.finish(chunk)))
+        return ReducedGrads(self.part.unflatten_local(self.finish(chunk, self.part.dtype)))
 
 
 def _map_state(state, params, part: FlatPartition, fn):

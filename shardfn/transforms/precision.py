@@ -1,0 +1,116 @@
+"""Mixed precision: a policy (FSDP2 ``MixedPrecisionPolicy`` semantics) and its model wrapper.
+
+The master parameters and the optimizer state stay in full precision (the
+dtype ``init`` gives, usually float32). A :class:`Precision` policy says what
+the step computes and communicates in:
+
+* ``param_dtype`` — floating parameters are cast to it once per step (per unit
+  under ``shard_params``, *before* the all-gather, so bf16 halves its bytes) and
+  the forward computes in it; gradients flow back through the cast and arrive
+  in the master dtype.
+* ``reduce_dtype`` — gradients are reduced (all-reduce / reduce-scatter) in it
+  and cast back to the master dtype after; ``data_parallel``,
+  ``shard_opt_state`` and ``shard_params`` take ``precision=``. Default: the
+  gradients' own dtype (float32 for float32 masters), i.e. exact reduction.
+* ``output_dtype`` — floating outputs are cast to it (e.g. float32 logits for
+  the loss).
+* ``cast_inputs`` — floating positional/keyword inputs are cast to
+  ``param_dtype``.
+
+Memory: one ``param_dtype`` copy of the parameters in flight (per unit when
+sharded). Communication: all-gathers in ``param_dtype``, reductions in
+``reduce_dtype``.
+
+Example:
+    >>> policy = Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    >>> model = with_precision(sf.functional(net), policy)
+    >>> grads = torch.func.grad(loss)(params, batch)   # float32 grads of float32 masters
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import torch
+
+from shardfn import pytree
+
+__all__ = ["Precision", "cast_floating", "with_precision"]
+
+
+class Precision(NamedTuple):
+    """A mixed-precision policy; ``None`` fields leave dtypes as they are.
+
+    Attributes:
+        param_dtype: dtype parameters are cast to for compute and all-gather.
+        reduce_dtype: dtype gradients are reduced in.
+        output_dtype: dtype floating outputs are cast to.
+        cast_inputs: cast floating inputs to ``param_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_inputs: bool = True
+
+
+def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
+    """Cast every floating tensor leaf of ``tree`` to ``dtype`` (others untouched).
+
+    Differentiable: the gradient comes back in each leaf's original dtype.
+
+    Example:
+        >>> cast_floating({"w": torch.ones(2), "i": torch.ones(2, dtype=torch.long)},
+        ...               torch.bfloat16)["w"].dtype
+        torch.bfloat16
+    """
+    if dtype is None:
+        return tree
+
+    def cast(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return pytree.tree_map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PrecisionModel:
+    inner: Any
+    policy: Precision
+
+    def init(self, seed: int, *args, **kwargs):
+        return self.inner.init(seed, *args, **kwargs)
+
+    def apply(self, params, *args, **kwargs):
+        policy = self.policy
+        params = cast_floating(params, policy.param_dtype)
+        if policy.cast_inputs:
+            args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
+        return cast_floating(self.inner.apply(params, *args, **kwargs), policy.output_dtype)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def with_precision(model: Any, policy: Precision) -> Any:
+    """Wrap a functional model so ``apply`` computes under ``policy``.
+
+    Args:
+        model: anything with ``init`` and ``apply(params, *args, **kwargs)``
+            (``sf.functional(...)``); other attributes pass through.
+        policy: the :class:`Precision` policy (only ``param_dtype``, ``output_dtype``
+            and ``cast_inputs`` matter here; ``reduce_dtype`` is read by the
+            reducing transforms).
+
+    Returns:
+        A model with the same ``init`` and a mixed-precision ``apply``.
+
+    Example:
+        >>> model = with_precision(sf.functional(net), Precision(torch.bfloat16))
+    """
+    if not isinstance(policy, Precision):
+        raise TypeError(f"policy must be a shardfn Precision, got {type(policy).__name__}")
+    return _PrecisionModel(model, policy)
