@@ -7,7 +7,7 @@ Example:
     P('dp', None)
 """
 
-from shardfn import optim, pytree
+from shardfn import memory, optim, pytree
 from shardfn.functional import FunctionalModel, ShapeDtype, functional
 from shardfn.mesh import Mesh, get_mesh, set_mesh
 from shardfn.primitives import (
@@ -45,6 +45,7 @@ from shardfn.transforms import (
     static_loss_scale,
     with_precision,
 )
+from shardfn.transforms.remat import Offload, checkpoint_name, checkpoint_policies, remat
 
 __version__ = "0.1.0"
 
@@ -60,6 +61,7 @@ __all__ = [
     "LossScaler",
     "Precision",
     "Mesh",
+    "Offload",
     "P",
     "accumulate_grads",
     "all_finite",
@@ -68,6 +70,8 @@ __all__ = [
     "axis_index",
     "axis_size",
     "broadcast",
+    "checkpoint_name",
+    "checkpoint_policies",
     "comm_stats",
     "data_parallel",
     "dynamic_loss_scale",
@@ -76,6 +80,7 @@ __all__ = [
     "get_mesh",
     "layout_of",
     "local_shape",
+    "memory",
     "optim",
     "pmean",
     "pmean_invariant",
@@ -85,6 +90,7 @@ __all__ = [
     "psum_scatter",
     "pvary",
     "pytree",
+    "remat",
     "reset_comm_stats",
     "set_mesh",
     "shard",

@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 from hypothesis import settings
 
 from shardfn.testing import LocalWorld
@@ -15,6 +16,10 @@ from shardfn.testing import LocalWorld
 settings.register_profile("ci", max_examples=10, deadline=None, print_blob=True)
 settings.register_profile("dev", max_examples=25, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# The test process shares 2 cores with the local worlds' ranks: oversubscribed intra-op
+# threads made small ops ~50x slower. The ranks set 1 thread too.
+torch.set_num_threads(1)
 
 MAX_WORLD_SIZE = 4
 

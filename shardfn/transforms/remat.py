@@ -1,0 +1,545 @@
+"""`remat`: activation rematerialisation that works under torch.func and torch.autograd.
+
+``remat(fn, policy)`` returns a function with ``fn``'s values and gradients whose
+backward recomputes ``fn`` instead of keeping its intermediates. It is one
+``autograd.Function`` (forward + ``setup_context`` style, so ``torch.func.grad``,
+``grad_and_value``, ``vjp`` and ``vmap`` accept it):
+
+* **forward** runs ``fn`` under ``no_grad`` inside a *recording* dispatch mode.
+  The policy looks at every op; the outputs of the ops it saves are kept (moved
+  to CPU first for offloaded ones). The tensor inputs are saved for backward and
+  the RNG state (CPU, and CUDA for the inputs' devices) is remembered.
+* **backward** restores that RNG state and recomputes ``fn`` with
+  ``torch.func.vjp`` inside a *replay* dispatch mode: each saved op returns its
+  saved output instead of running, every other op runs again. Ops are matched
+  by (op, how many times it ran before) and checked by input shapes, so a
+  recomputation that takes another path raises instead of replaying wrong values.
+
+Policies use JAX's names (``checkpoint_policies``). A policy is a function
+``policy(op, name) -> bool | Offload``: ``op`` is the aten op, ``name`` is ``None``
+or the tag given with :func:`checkpoint_name`; ``True`` saves the output,
+``False`` recomputes it, ``Offload(device)`` saves it on ``device``.
+Never saved: view and in-place ops, ops whose output aliases an input, random
+ops (so the RNG stream of the recomputation matches the forward's), and outputs
+mutated in place later in the forward.
+
+Memory: the inputs plus what the policy saves, kept from forward to backward,
+and one recomputation of ``fn``'s intermediates in flight during its backward.
+Compute: one extra forward of ``fn`` minus the saved ops. Communication:
+collectives inside ``fn`` run again in the recomputation unless their outputs are saved.
+Under ``torch.func.grad``/``vjp`` (which differentiate with create_graph=True)
+the backward detaches its recomputation from the outer graph, so recomputed
+values are freed block by block; when an outer transform or create_graph=True
+may differentiate again it keeps the graph, and grad of grad is exact.
+Limits: ``fn`` must be a pure function of its arguments: tensors it reads from
+a closure get no gradient (under plain autograd a closed-over tensor that
+requires grad raises). Forward-mode AD (jvp, hessian) calls ``fn`` directly.
+See docs/remat.md.
+
+Example:
+    >>> block = sf.remat(mlp_block, policy=sf.checkpoint_policies.dots_saveable)
+    >>> grads = torch.func.grad(lambda p, x: block(p, x).sum())(params, x)
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten as _torch_flatten
+from torch.utils._pytree import tree_unflatten as _torch_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from shardfn import pytree
+
+__all__ = [
+    "Offload",
+    "checkpoint_name",
+    "checkpoint_policies",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "everything_saveable",
+    "nothing_saveable",
+    "offload",
+    "offload_dot_with_no_batch_dims",
+    "remat",
+    "save_and_offload_only_these_names",
+    "save_anything_except_these_names",
+    "save_from_both_policies",
+    "save_only_these_names",
+]
+
+aten = torch.ops.aten
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_unwrap_level = torch._C._functorch.get_unwrapped
+_TransformType = torch._C._functorch.TransformType
+
+
+class Offload(NamedTuple):
+    """Policy answer: save the value on ``device`` (CPU, pinned when CUDA) and bring it back."""
+
+    device: str = "cpu"
+
+
+Policy = Callable[[Any, "str | None"], "bool | Offload"]
+
+# ----------------------------------------------------------------------------- policies
+DOT_OPS = frozenset({
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten.addbmm.default, aten.mv.default, aten.addmv.default, aten.dot.default,
+    aten.vdot.default, aten.linear.default, aten.matmul.default, aten.convolution.default,
+    aten._convolution.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+})
+NO_BATCH_DOT_OPS = frozenset({
+    aten.mm.default, aten.addmm.default, aten.mv.default, aten.addmv.default,
+    aten.dot.default, aten.vdot.default,
+})
+
+
+def nothing_saveable(op, name: str | None) -> bool:
+    """Save nothing: recompute the whole function (the default)."""
+    return False
+
+
+def everything_saveable(op, name: str | None) -> bool:
+    """Save every op output: no recomputation (more memory than plain autograd)."""
+    return True
+
+
+def dots_saveable(op, name: str | None) -> bool:
+    """Save the outputs of matmul-like ops (mm, addmm, bmm, linear, conv, attention)."""
+    return op in DOT_OPS
+
+
+def dots_with_no_batch_dims_saveable(op, name: str | None) -> bool:
+    """Save the outputs of 2-D matmuls (mm, addmm, mv, dot); recompute bmm and the rest."""
+    return op in NO_BATCH_DOT_OPS
+
+
+def save_only_these_names(*names: str) -> Policy:
+    """Save only values tagged with :func:`checkpoint_name` under one of ``names``."""
+    wanted = frozenset(names)
+    return lambda op, name: name in wanted
+
+
+def save_anything_except_these_names(*names: str) -> Policy:
+    """Save every op output except the values tagged with one of ``names``."""
+    excluded = frozenset(names)
+    return lambda op, name: name not in excluded
+
+
+def save_and_offload_only_these_names(*, names_which_can_be_saved=(),
+                                      names_which_can_be_offloaded=(),
+                                      offload_device: str = "cpu") -> Policy:
+    """Save some tagged values, offload others to ``offload_device``, recompute the rest."""
+    saved, offloaded = frozenset(names_which_can_be_saved), frozenset(names_which_can_be_offloaded)
+    if saved & offloaded:
+        raise ValueError(f"names both saved and offloaded: {sorted(saved & offloaded)}")
+
+    def policy(op, name):
+        return True if name in saved else Offload(offload_device) if name in offloaded else False
+
+    return policy
+
+
+def offload(policy: Policy, device: str = "cpu") -> Policy:
+    """``policy``, but every value it saves is offloaded to ``device`` instead."""
+
+    def offloaded(op, name):
+        decision = policy(op, name)
+        return Offload(device) if decision is True else decision
+
+    return offloaded
+
+
+def offload_dot_with_no_batch_dims(device: str = "cpu") -> Policy:
+    """Offload the outputs of 2-D matmuls to ``device`` (JAX's offload_dot_with_no_batch_dims)."""
+    return offload(dots_with_no_batch_dims_saveable, device)
+
+
+def save_from_both_policies(first: Policy, second: Policy) -> Policy:
+    """Save what either policy saves (``first``'s answer wins when both save)."""
+    return lambda op, name: first(op, name) or second(op, name)
+
+
+class _Policies(NamedTuple):
+    nothing_saveable: Policy = nothing_saveable
+    everything_saveable: Policy = everything_saveable
+    dots_saveable: Policy = dots_saveable
+    checkpoint_dots: Policy = dots_saveable
+    dots_with_no_batch_dims_saveable: Policy = dots_with_no_batch_dims_saveable
+    save_only_these_names: Callable[..., Policy] = save_only_these_names
+    save_anything_except_these_names: Callable[..., Policy] = save_anything_except_these_names
+    save_and_offload_only_these_names: Callable[..., Policy] = save_and_offload_only_these_names
+    offload: Callable[..., Policy] = offload
+    offload_dot_with_no_batch_dims: Callable[..., Policy] = offload_dot_with_no_batch_dims
+    save_from_both_policies: Callable[..., Policy] = save_from_both_policies
+
+
+checkpoint_policies = _Policies()
+"""The policies, under JAX's ``jax.checkpoint_policies`` names."""
+
+# ----------------------------------------------------------------------------- recording
+_RECORDERS: list[_Recorder] = []
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    while _is_wrapped(t):
+        t = _unwrap_level(t)
+    return t
+
+
+def checkpoint_name(x: Any, name: str) -> Any:
+    """Tag ``x`` (a tensor or pytree of tensors) as ``name`` for remat policies; returns ``x``.
+
+    Under :func:`remat` with ``save_only_these_names(name)`` (or another
+    name-based policy) the op that produced ``x`` is saved, not recomputed.
+    Elsewhere it is the identity.
+
+    Example:
+        >>> h = sf.checkpoint_name(torch.relu(x @ w), "hidden")
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"checkpoint_name: name must be a string, got {name!r}")
+    if _RECORDERS:
+        for leaf in pytree.tree_leaves(x):
+            if isinstance(leaf, torch.Tensor):
+                for recorder in _RECORDERS:
+                    recorder.tag(_base(leaf), name)
+    return x
+
+
+def _replayable(func, args, kwargs, outs: list) -> bool:
+    schema = func._schema
+    if func is aten._unsafe_view.default or torch.Tag.nondeterministic_seeded in func.tags:
+        return False
+    if any(a.alias_info is not None for a in schema.arguments):
+        return False  # views, in-place and out= ops
+    if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
+        return False
+    inputs = {_storage_ptr(t) for t in _torch_flatten((args, kwargs))[0]
+              if isinstance(t, torch.Tensor)}
+    return not any(_storage_ptr(o) in inputs for o in outs)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return -1
+
+
+def _signature(args, kwargs) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in _torch_flatten((args, kwargs))[0]
+                 if isinstance(t, torch.Tensor))
+
+
+class _Saved:
+    """One saved op output (a tensor or a tuple of tensors), maybe offloaded."""
+
+    def __init__(self, signature, out, decision):
+        self.signature, self.decision = signature, decision
+        self.leaves, self.spec = _torch_flatten(out)
+        self.versions = [t._version for t in self.leaves]
+        self.devices = [t.device for t in self.leaves]
+
+    def unchanged(self) -> bool:
+        """Whether no in-place op has changed the value since it was recorded."""
+        return all(t._version == v for t, v in zip(self.leaves, self.versions, strict=True))
+
+    def finish(self) -> bool:
+        """Keep the value if the forward did not mutate it; move offloaded values."""
+        if not self.unchanged():
+            return False
+        if isinstance(self.decision, Offload):
+            self.leaves = [_to_device(t, self.decision.device) for t in self.leaves]
+            self.versions = [t._version for t in self.leaves]
+        return True
+
+    def load(self):
+        leaves = [t if t.device == d else t.to(d, non_blocking=True)
+                  for t, d in zip(self.leaves, self.devices, strict=True)]
+        return _torch_unflatten(leaves, self.spec)
+
+
+def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
+    target = torch.device(device)
+    if t.device == target:
+        return t
+    pin = target.type == "cpu" and t.device.type == "cuda"
+    out = torch.empty(t.shape, dtype=t.dtype, device=target, pin_memory=pin)
+    return out.copy_(t, non_blocking=pin)
+
+
+class _Recorder(TorchDispatchMode):
+    """Forward: runs every op, keeps the outputs the policy saves."""
+
+    def __init__(self, policy: Policy, inputs: list[torch.Tensor]):
+        super().__init__()
+        self.policy = policy
+        self.counts: Counter = Counter()
+        self.saved: dict[tuple, _Saved] = {}
+        self.producers = WeakIdKeyDictionary()  # op output -> (key, signature, weak outputs)
+        self.input_storages = {_storage_ptr(_base(t)) for t in inputs}
+
+    def __enter__(self):
+        _RECORDERS.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _RECORDERS.remove(self)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self._check_closure(func, args, kwargs)
+        out = func(*args, **kwargs)
+        key = (func, self.counts[func])
+        self.counts[func] += 1
+        outs = _torch_flatten(out)[0]
+        if not _replayable(func, args, kwargs, outs):
+            return out
+        signature = _signature(args, kwargs)
+        record = (key, signature, [weakref.ref(o) for o in outs], _torch_flatten(out)[1])
+        for o in outs:
+            self.producers[o] = record
+        decision = self.policy(func, None)
+        if decision:
+            self.saved[key] = _Saved(signature, out, decision)
+        return out
+
+    def _check_closure(self, func, args, kwargs) -> None:
+        for t in _torch_flatten((args, kwargs))[0]:
+            if (isinstance(t, torch.Tensor) and t.requires_grad
+                    and _storage_ptr(t) not in self.input_storages):
+                raise ValueError(
+                    f"remat: the function reads a tensor of shape {tuple(t.shape)} that requires "
+                    f"grad but is not one of its arguments (a closure?) in {func}; pass it as an "
+                    "argument so that it gets a gradient")
+
+    def tag(self, tensor: torch.Tensor, name: str) -> None:
+        """``checkpoint_name``: the policy decides again, with ``name``, for ``tensor``'s op."""
+        record = self.producers.get(tensor)
+        if record is None and tensor._base is not None:
+            record = self.producers.get(tensor._base)
+        if record is None:
+            return  # an input, or made by a view/in-place op of one: nothing to replay
+        key, signature, weak_outs, spec = record
+        decision = self.policy(key[0], name)
+        outs = [ref() for ref in weak_outs]
+        if decision and all(o is not None for o in outs):
+            self.saved[key] = _Saved(signature, _torch_unflatten(outs, spec), decision)
+        else:
+            self.saved.pop(key, None)
+
+    def finish(self) -> dict[tuple, _Saved]:
+        return {key: s for key, s in self.saved.items() if s.finish()}
+
+
+class _Replayer(TorchDispatchMode):
+    """Recompute: saved ops return their saved outputs, every other op runs."""
+
+    def __init__(self, saved: dict[tuple, _Saved]):
+        super().__init__()
+        self.saved = saved
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        key = (func, self.counts[func])
+        self.counts[func] += 1
+        saved = self.saved.get(key)
+        if saved is None or not saved.unchanged():  # e.g. an output the caller changed in place
+            return func(*args, **kwargs)
+        signature = _signature(args, kwargs)
+        if signature != saved.signature:
+            raise RuntimeError(
+                f"remat: the recomputation of {func} (call {key[1]}) got inputs "
+                f"{signature}, the forward had {saved.signature}; the function must run the "
+                "same ops in both (no data-dependent Python control flow), or use "
+                "policy=nothing_saveable")
+        return saved.load()
+
+
+# ----------------------------------------------------------------------------- the Function
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+class _RngState(NamedTuple):
+    cpu: torch.Tensor
+    cuda: dict[int, torch.Tensor]
+
+
+def _rng_state(tensors) -> _RngState:
+    cuda = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        devices = {t.device.index for t in tensors if t.device.type == "cuda"}
+        for index in devices or {torch.cuda.current_device()}:
+            cuda[index] = torch.cuda.get_rng_state(index)
+    return _RngState(torch.get_rng_state(), cuda)
+
+
+def _higher_order_possible(tensors) -> bool:
+    """Whether something may differentiate this backward (grad of grad, create_graph=True).
+
+    torch.func.grad and vjp always differentiate with create_graph=True; keeping that
+    graph for a remat backward would hold every recomputed value until the end.
+    """
+    stack = torch._C._functorch.get_interpreter_stack()
+    if stack:  # the innermost is the transform running this backward
+        return any(i.key() in (_TransformType.Grad, _TransformType.Jvp) for i in stack[:-1])
+    return torch.is_grad_enabled() and any(_base(t).requires_grad for t in tensors)
+
+
+class _Call:
+    """One call of a remat'ed function: how to rebuild its arguments, what forward saved."""
+
+    def __init__(self, fn: Callable, policy: Policy, args: tuple, kwargs: dict):
+        leaves, self.treedef = pytree.tree_flatten((args, kwargs))
+        self.positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.tensors = [leaves[i] for i in self.positions]
+        self.static = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        self.fn, self.policy = fn, policy
+        self.saved: dict[tuple, _Saved] = {}
+        self.rng: _RngState | None = None
+        self.out_treedef = None
+        self.out_static: list = []
+        self.out_positions: list[int] = []
+        self.out_differentiable: list[bool] = []
+
+    def run(self, tensors) -> Any:
+        leaves = list(self.static)
+        for position, t in zip(self.positions, tensors, strict=True):
+            leaves[position] = t
+        args, kwargs = pytree.tree_unflatten(self.treedef, leaves)
+        return self.fn(*args, **kwargs)
+
+    def flatten_output(self, out) -> tuple[torch.Tensor, ...]:
+        leaves, self.out_treedef = pytree.tree_flatten(out)
+        self.out_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.out_static = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        tensors = tuple(leaves[i] for i in self.out_positions)
+        self.out_differentiable = [_differentiable(t) for t in tensors]
+        return tensors
+
+    def output_tensors(self, out) -> list[torch.Tensor]:
+        leaves = pytree.tree_leaves(out)
+        return [leaves[i] for i in self.out_positions]
+
+    def unflatten_output(self, tensors) -> Any:
+        leaves = list(self.out_static)
+        for position, t in zip(self.out_positions, tensors, strict=True):
+            leaves[position] = t
+        return pytree.tree_unflatten(self.out_treedef, leaves)
+
+
+class _RematFunction(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(call: _Call, *tensors):
+        call.rng = _rng_state(tensors)
+        recorder = _Recorder(call.policy, list(tensors))
+        with torch.no_grad(), recorder:
+            out = call.run(tensors)
+        call.saved = recorder.finish()
+        return call.flatten_output(out)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.call = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
+        constant = [o for o in output if not _differentiable(o)]
+        if constant:
+            ctx.mark_non_differentiable(*constant)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        call: _Call = ctx.call
+        tensors = list(ctx.saved_tensors)
+        keep_graph = _higher_order_possible(tensors)
+        if not keep_graph:  # else the outer create_graph would keep every recomputed value
+            tensors = [t.detach() for t in tensors]
+        wrt = [i for i, t in enumerate(tensors)
+               if ctx.needs_input_grad[i + 1] and _differentiable(t)]
+        outs = [i for i, g in enumerate(grads) if g is not None and call.out_differentiable[i]]
+
+        def recompute(*inputs):
+            full = list(tensors)
+            for i, t in zip(wrt, inputs, strict=True):
+                full[i] = t
+            with _Replayer(call.saved):
+                out = call.output_tensors(call.run(full))
+            return tuple(out[i] for i in outs)
+
+        input_grads: list = [None] * len(tensors)
+        if wrt and outs:
+            cuda = list(call.rng.cuda)
+            with torch.random.fork_rng(devices=cuda):
+                torch.set_rng_state(call.rng.cpu)
+                for index, state in call.rng.cuda.items():
+                    torch.cuda.set_rng_state(state, index)
+                _, vjp_fn = torch.func.vjp(recompute, *[tensors[i] for i in wrt])
+            cotangents = tuple(grads[i] if keep_graph else grads[i].detach() for i in outs)
+            grads_in = vjp_fn(cotangents)
+            for i, g in zip(wrt, grads_in, strict=True):
+                input_grads[i] = g
+        call.saved = {}  # free early; a second backward (retain_graph) recomputes everything
+        return (None, *input_grads)
+
+
+# ----------------------------------------------------------------------------- remat
+def remat(fn: Callable, policy: Policy = nothing_saveable) -> Callable:
+    """Wrap ``fn`` so that its backward recomputes its intermediates (activation checkpointing).
+
+    Works under ``torch.func.grad`` / ``grad_and_value`` / ``vjp`` / ``vmap`` and
+    plain ``torch.autograd``; gradients flow to every floating tensor leaf of the
+    arguments (params dicts, activations). Random ops replay the same values.
+
+    Memory per call, from forward to backward: ``fn``'s tensor arguments plus the
+    outputs the policy saves; during backward one recomputation of ``fn`` is
+    alive. Compute: ``fn``'s forward once more, less the saved ops.
+    Communication: that of ``fn``, once more in backward for recomputed collectives.
+
+    Args:
+        fn: a pure function of tensors / pytrees of tensors (non-tensor leaves are
+            passed through unchanged) returning a tensor or a pytree.
+        policy: which op outputs to keep instead of recomputing, e.g.
+            ``checkpoint_policies.dots_saveable``; default: save nothing.
+
+    Returns:
+        A function with ``fn``'s signature, values and gradients.
+
+    Example:
+        >>> def block(p, x):
+        ...     return x + torch.tanh(x @ p["w1"]) @ p["w2"]
+        >>> fast = sf.remat(block, policy=sf.checkpoint_policies.dots_saveable)
+        >>> grads = torch.func.grad(lambda p, x: fast(p, x).sum())(params, x)
+    """
+    if not callable(fn):
+        raise TypeError(f"remat: fn must be callable, got {type(fn).__name__}")
+    if not callable(policy):
+        raise TypeError(f"remat: policy must be a function (op, name) -> bool | Offload, "
+                        f"e.g. checkpoint_policies.dots_saveable; got {policy!r}")
+
+    @functools.wraps(fn)
+    def rematerialised(*args, **kwargs):
+        call = _Call(fn, policy, args, kwargs)
+        transforms = {i.key() for i in torch._C._functorch.get_interpreter_stack() or ()}
+        if _TransformType.Jvp in transforms:
+            return fn(*args, **kwargs)  # forward-mode AD (jvp, jacfwd, hessian): no remat
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in call.tensors)
+        if _TransformType.Grad not in transforms and not needs_grad:
+            return fn(*args, **kwargs)  # nothing will differentiate this call
+        return call.unflatten_output(_RematFunction.apply(call, *call.tensors))
+
+    return rematerialised
