@@ -12,6 +12,7 @@ from shardfn.transforms.loss_scale import (
 )
 from shardfn.transforms.precision import Precision, cast_floating, with_precision
 from shardfn.transforms.shard_opt_state import ShardedOptimizer, ShardedOptState, shard_opt_state
+from shardfn.transforms.shard_params import ShardedModel, shard_params
 
 __all__ = [
     "DataParallel",
@@ -19,6 +20,7 @@ __all__ = [
     "Precision",
     "ScaleState",
     "ShardedOptState",
+    "ShardedModel",
     "ShardedOptimizer",
     "accumulate_grads",
     "all_finite",
@@ -26,6 +28,7 @@ __all__ = [
     "data_parallel",
     "dynamic_loss_scale",
     "shard_opt_state",
+    "shard_params",
     "skip_nonfinite",
     "split_batch",
     "static_loss_scale",
