@@ -1,0 +1,285 @@
+"""Shared harness for the benchmarks: a registry of systems, interleaved timing, tables.
+
+A *system* is one way of training the same model (torch DDP, a shardfn
+transform, ...). Each is registered with a setup function that builds it on
+every rank and returns a :class:`System`: a step closure plus accessors for
+its memory and parameters. :func:`run_interleaved` then runs all systems in
+rounds (one step of each per round, in rotating order, with a barrier before
+and after every step), so that noise from a shared machine spreads evenly over
+the systems instead of landing on whichever ran last.
+
+Example (one extra row, in the benchmark script):
+    >>> @SYSTEMS.register("fsdp2", "torch FSDP2 fully_shard")
+    ... def setup_fsdp2(ctx):
+    ...     module = fully_shard(ctx.make_module())
+    ...     ...
+    ...     return System(step, memory, params)
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "MiB",
+    "Registry",
+    "Result",
+    "System",
+    "machine_info",
+    "markdown_table",
+    "rel_diff",
+    "run_interleaved",
+    "storage_bytes",
+]
+
+MiB = 2**20
+
+
+class System(NamedTuple):
+    """One trainer built on this rank.
+
+    Attributes:
+        step: ``step(i)`` runs training step ``i`` (on the batch for ``i``).
+        memory: ``memory() -> {"params": bytes, "grads": bytes, "opt_state": bytes}`` held
+            by this rank after a step.
+        params: ``params() -> {name: full tensor}`` with the module's parameter names,
+            for the correctness check (every rank must be able to return the full tree).
+        counts_comm: True when its traffic goes through shardfn (``sf.comm_stats``).
+    """
+
+    step: Callable[[int], None]
+    memory: Callable[[], dict[str, int]]
+    params: Callable[[], dict[str, torch.Tensor]]
+    counts_comm: bool = False
+
+
+SetupFn = Callable[[Any], System]
+
+
+class Registry:
+    """Ordered ``key -> (label, setup)``; ``default=False`` keeps a system out of default runs."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[str, SetupFn, bool]] = {}
+
+    def register(self, key: str, label: str, *, default: bool = True):
+        """Decorator adding ``setup(ctx) -> System`` under ``key`` (shown as ``label``)."""
+
+        def add(setup: SetupFn) -> SetupFn:
+            if key in self.entries:
+                raise ValueError(f"system {key!r} is registered twice")
+            self.entries[key] = (label, setup, default)
+            return setup
+
+        return add
+
+    def defaults(self) -> list[str]:
+        return [k for k, (_, _, default) in self.entries.items() if default]
+
+    def label(self, key: str) -> str:
+        return self.entries[key][0]
+
+    def setup(self, key: str) -> SetupFn:
+        return self.entries[key][1]
+
+
+class Result(NamedTuple):
+    """What rank 0 reports for one system."""
+
+    key: str
+    label: str
+    times_s: list[float]
+    memory: dict[str, int]  # max over ranks
+    sent_bytes: int | None  # bytes sent per rank in the last step (shardfn systems), max over ranks
+    max_rel_diff: float | None  # vs the reference system, max over ranks
+    error: str | None
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view counts its whole storage once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(seen.values())
+
+
+def rel_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    """Largest per-leaf ``max|a - b| / max|b|`` (missing or misshapen leaves give inf)."""
+    worst = 0.0
+    if set(a) != set(b):
+        return float("inf")
+    for name, ref in b.items():
+        got = a[name]
+        if got.shape != ref.shape:
+            return float("inf")
+        scale = ref.abs().max().item() or 1.0
+        worst = max(worst, (got.double() - ref.double()).abs().max().item() / scale)
+    return worst
+
+
+def _all_ok(ok: bool) -> bool:
+    flag = torch.tensor([1 if ok else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _short_error(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".splitlines()[0]
+    return text[:160]
+
+
+def run_interleaved(ctx: Any, registry: Registry, keys: list[str], *, warmup: int, steps: int,
+                    reference: str | None, log: Callable[[str], None] = print) -> list[Result]:
+    """Set up ``keys`` on this rank, run them in rotating rounds, check them against ``reference``.
+
+    Must be called on every rank with the same arguments. A system whose setup or
+    step raises on every rank (an import or API breakage) is dropped from the rounds
+    and reported with its error. One that raises on some ranks only, while the
+    others wait in a collective, hangs until the local world's timeout.
+
+    Args:
+        ctx: passed to every setup function.
+        registry: where the systems are registered.
+        keys: which systems, in table order.
+        warmup: unmeasured rounds first.
+        steps: measured rounds.
+        reference: key of the system the others' parameters are compared with.
+        log: progress printer (rank 0 only is a good choice).
+
+    Returns:
+        One :class:`Result` per key (meaningful on rank 0).
+    """
+    from shardfn import comm_stats, reset_comm_stats
+
+    systems: dict[str, System] = {}
+    errors: dict[str, str] = {}
+    for key in keys:
+        error = None
+        try:
+            systems[key] = registry.setup(key)(ctx)
+        except Exception as e:  # noqa: BLE001 - a broken peer must not stop the benchmark
+            error = _short_error(e)
+            if os.environ.get("BENCH_TRACEBACK"):
+                traceback.print_exc()
+        if not _all_ok(error is None):
+            systems.pop(key, None)
+            errors[key] = error or "failed on another rank"
+            log(f"  setup {key}: FAILED ({errors[key]})")
+        else:
+            log(f"  setup {key}: ok")
+
+    times: dict[str, list[float]] = {k: [] for k in keys}
+    sent: dict[str, int] = {}
+    order = [k for k in keys if k in systems]
+    t_start = time.perf_counter()
+    for r in range(warmup + steps):
+        shift = r % max(1, len(order))
+        for key in order[shift:] + order[:shift]:
+            if key not in systems:
+                continue
+            error = None
+            reset_comm_stats()
+            dist.barrier()
+            t0 = time.perf_counter()
+            try:
+                systems[key].step(r)
+            except Exception as e:  # noqa: BLE001
+                error = _short_error(e)
+                if os.environ.get("BENCH_TRACEBACK"):
+                    traceback.print_exc()
+            dist.barrier()
+            elapsed = time.perf_counter() - t0
+            sent[key] = comm_stats().total_bytes
+            if not _all_ok(error is None):
+                errors[key] = f"step {r}: " + (error or "failed on another rank")
+                del systems[key]
+                log(f"  {key}: FAILED at step {r} ({errors[key]})")
+                continue
+            if r >= warmup:
+                times[key].append(elapsed)
+        log(f"  round {r + 1}/{warmup + steps} done ({time.perf_counter() - t_start:.0f} s)")
+
+    ref_params = None
+    if reference in systems:
+        ref_params = {k: v.detach().clone() for k, v in systems[reference].params().items()}
+    results = []
+    for key in keys:
+        memory: dict[str, int] = {}
+        diff = None
+        if key in systems:
+            try:
+                local = systems[key].memory()
+                memory = {k: int(_max_over_ranks(v)) for k, v in local.items()}
+                if ref_params is not None:
+                    diff = _max_over_ranks(rel_diff(systems[key].params(), ref_params))
+            except Exception as e:  # noqa: BLE001
+                errors[key] = "after the run: " + _short_error(e)
+        counts = key in systems and systems[key].counts_comm
+        sent_bytes = int(_max_over_ranks(sent.get(key, 0))) if counts else None
+        results.append(Result(key, registry.label(key), times[key], memory, sent_bytes, diff,
+                              errors.get(key)))
+    return results
+
+
+def markdown_table(results: list[Result], reference: str | None, num_params: int) -> str:
+    """The results as a markdown table (times in ms, memory in MiB)."""
+    ref = next((r for r in results if r.key == reference and r.times_s), None)
+    ref_median = statistics.median(ref.times_s) if ref else None
+    lines = [
+        "| system | median ms | p25–p75 ms | min ms | ratio to DDP "
+        "| MiB per rank (params+grads+opt) | bytes/param | sent MiB/step | max rel diff vs DDP |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        if r.error or not r.times_s:
+            lines.append(f"| {r.label} | failed: {r.error or 'no steps'} | | | | | | | |")
+            continue
+        med = statistics.median(r.times_s)
+        if len(r.times_s) >= 2:
+            q = statistics.quantiles(r.times_s, n=4, method="inclusive")
+            spread = f"{q[0] * 1e3:.0f}–{q[2] * 1e3:.0f}"
+        else:
+            spread = "—"
+        ratio = f"{med / ref_median:.3f}" if ref_median else "—"
+        total = sum(r.memory.values())
+        mem = (f"{total / MiB:.0f} ({r.memory.get('params', 0) / MiB:.0f}+"
+               f"{r.memory.get('grads', 0) / MiB:.0f}+{r.memory.get('opt_state', 0) / MiB:.0f})")
+        per_param = f"{total / num_params:.2f}"
+        sent = "—" if r.sent_bytes is None else f"{r.sent_bytes / MiB:.1f}"
+        diff = "—" if r.max_rel_diff is None else f"{r.max_rel_diff:.1e}"
+        lines.append(f"| {r.label} | {med * 1e3:.0f} | {spread} | {min(r.times_s) * 1e3:.0f} "
+                     f"| {ratio} | {mem} | {per_param} | {sent} | {diff} |")
+    return "\n".join(lines)
+
+
+def machine_info() -> str:
+    """One line: torch version, CPU model and core count, Python, OS."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"torch {torch.__version__}, {cores} cores ({model}), Python "
+            f"{platform.python_version()}, {platform.system()} {platform.release()}")

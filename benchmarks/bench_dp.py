@@ -1,0 +1,507 @@
+"""Data-parallel and ZeRO-1/2 step time and memory: shardfn against torch and FairScale.
+
+Every system trains the same model (same initial weights, same batches, AdamW)
+on N local CPU ranks (gloo, one thread per rank); all are measured in one run,
+interleaved in rounds. Prints a markdown table: median step time and its ratio
+to torch DDP, params+grads+optimizer-state bytes per rank, bytes sent per rank
+per step (shardfn systems, from ``sf.comm_stats()``) and the largest relative
+difference of the final parameters from DDP's.
+
+Run (about 2 minutes on 2 idle cores):
+    .venv/bin/python benchmarks/bench_dp.py
+    .venv/bin/python benchmarks/bench_dp.py --quick                 # tiny model, smoke test
+    .venv/bin/python benchmarks/bench_dp.py --systems ddp sf-zero1  # a subset
+
+Adding a row: write ``setup(ctx) -> System`` and decorate it with
+``@SYSTEMS.register(key, label)``; see :mod:`_common`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import sys
+import time
+
+if importlib.util.find_spec("shardfn") is None:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _common import (
+    MiB,
+    Registry,
+    System,
+    machine_info,
+    markdown_table,
+    run_interleaved,
+    storage_bytes,
+)
+from torch import nn
+
+SYSTEMS = Registry()
+# glibc settings for --malloc-cache: serve every allocation from the heap and never give it
+# back, so a freed 65 MiB buffer is reused instead of unmapped and faulted in again.
+MALLOC_CACHE_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(2**32),
+    "MALLOC_TRIM_THRESHOLD_": str(2**36),
+    "MALLOC_TOP_PAD_": str(2**30),
+}
+
+
+# ----------------------------------------------------------------------------- model and data
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Model, batch and optimizer shared by every system."""
+
+    d: int = 512
+    hidden: int = 2048
+    blocks: int = 8
+    batch: int = 8  # global batch (sequences); each rank gets batch / N
+    tokens: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    seed: int = 0
+
+
+QUICK = Config(d=64, hidden=256, blocks=2, batch=8, tokens=8)
+
+
+class Block(nn.Module):
+    """``x + fc2(gelu(fc1(norm(x))))``."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class MLPModel(nn.Module):
+    """``blocks`` residual MLP blocks and a final projection."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(cfg.d, cfg.hidden) for _ in range(cfg.blocks))
+        self.proj = nn.Linear(cfg.d, cfg.d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.proj(x)
+
+
+def loss_of(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+class Context:
+    """What a setup function gets: the config, this rank's batches, a model factory, the mesh."""
+
+    def __init__(self, cfg: Config, total_steps: int):
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        if cfg.batch % self.world:
+            raise ValueError(f"global batch {cfg.batch} is not divisible by {self.world} ranks")
+        local = cfg.batch // self.world
+        self.batches = []
+        for i in range(total_steps):
+            g = torch.Generator().manual_seed(1000 + i)
+            x = torch.randn(cfg.batch, cfg.tokens, cfg.d, generator=g)
+            y = torch.randn(cfg.batch, cfg.tokens, cfg.d, generator=g)
+            rows = slice(self.rank * local, (self.rank + 1) * local)
+            self.batches.append((x[rows].clone(), y[rows].clone()))
+        self._mesh = None
+
+    def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``(input, target)`` for step ``i``."""
+        return self.batches[i]
+
+    def make_module(self) -> MLPModel:
+        """A fresh model with the same initial weights on every rank and for every system."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.seed)
+            return MLPModel(self.cfg)
+
+    def initial_params(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.make_module().named_parameters()}
+
+    @property
+    def mesh(self):
+        import shardfn as sf
+
+        if self._mesh is None:
+            self._mesh = sf.Mesh({"dp": self.world})
+        return self._mesh
+
+
+def num_params(cfg: Config) -> int:
+    return sum(p.numel() for p in MLPModel(cfg).parameters())
+
+
+# ----------------------------------------------------------------------------- torch peers
+
+
+def _torch_memory(module: nn.Module, state_tensors) -> dict[str, int]:
+    params = list(module.parameters())
+    return {
+        "params": storage_bytes(params),
+        "grads": storage_bytes(p.grad for p in params),
+        "opt_state": storage_bytes(state_tensors()),
+    }
+
+
+def _state_tensors(state) -> list[torch.Tensor]:
+    return [v for per_param in state.values() for v in per_param.values()
+            if isinstance(v, torch.Tensor)]
+
+
+def _module_params(module: nn.Module):
+    return lambda: {k: v.detach() for k, v in module.named_parameters()}
+
+
+@SYSTEMS.register("ddp", "torch DDP")
+def setup_ddp(ctx: Context) -> System:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    module = ctx.make_module()
+    # gradient_as_bucket_view: .grad are views of DDP's buckets, so the grads counted
+    # below are everything DDP holds for gradients (the default keeps a second copy).
+    ddp = DDP(module, gradient_as_bucket_view=True)
+    opt = torch.optim.AdamW(module.parameters(), lr=ctx.cfg.lr,
+                            weight_decay=ctx.cfg.weight_decay, foreach=True)
+
+    def step(i: int) -> None:
+        x, y = ctx.batch(i)
+        opt.zero_grad(set_to_none=False)
+        loss_of(ddp(x), y).backward()
+        opt.step()
+
+    return System(step, lambda: _torch_memory(module, lambda: _state_tensors(opt.state)),
+                  _module_params(module))
+
+
+@SYSTEMS.register("zero", "torch ZeroRedundancyOptimizer + DDP")
+def setup_zero(ctx: Context) -> System:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    module = ctx.make_module()
+    ddp = DDP(module, gradient_as_bucket_view=True)
+    opt = ZeroRedundancyOptimizer(module.parameters(), optimizer_class=torch.optim.AdamW,
+                                  lr=ctx.cfg.lr, weight_decay=ctx.cfg.weight_decay, foreach=True)
+
+    def step(i: int) -> None:
+        x, y = ctx.batch(i)
+        opt.zero_grad(set_to_none=False)
+        loss_of(ddp(x), y).backward()
+        opt.step()
+
+    return System(step, lambda: _torch_memory(module, lambda: _state_tensors(opt.optim.state)),
+                  _module_params(module))
+
+
+@SYSTEMS.register("fairscale", "fairscale OSS + ShardedDataParallel")
+def setup_fairscale(ctx: Context) -> System:
+    from fairscale.nn.data_parallel import ShardedDataParallel
+    from fairscale.optim import OSS
+
+    module = ctx.make_module()
+    opt = OSS(module.parameters(), optim=torch.optim.AdamW, lr=ctx.cfg.lr,
+              weight_decay=ctx.cfg.weight_decay, foreach=True)
+    sdp = ShardedDataParallel(module, opt)
+
+    def step(i: int) -> None:
+        x, y = ctx.batch(i)
+        sdp.zero_grad(set_to_none=True)
+        loss_of(sdp(x), y).backward()
+        opt.step()
+
+    return System(step, lambda: _torch_memory(module, lambda: _state_tensors(opt.optim.state)),
+                  _module_params(module))
+
+
+# ----------------------------------------------------------------------------- shardfn
+
+
+def _tree_memory(params, grads, state) -> dict[str, int]:
+    import shardfn as sf
+
+    return {
+        "params": storage_bytes(sf.pytree.tree_leaves(params)),
+        "grads": storage_bytes(sf.pytree.tree_leaves(grads)),
+        "opt_state": storage_bytes(sf.pytree.tree_leaves(state)),
+    }
+
+
+def _pure_step_system(ctx: Context, reduce, opt, *, grads_kept=None) -> System:
+    """A torch.func step: grad_and_value, ``reduce`` (grads -> grads), ``opt``, apply_updates.
+
+    ``grads_kept(grads) -> bytes`` overrides how the gradient memory is counted.
+    """
+    import shardfn as sf
+
+    model = sf.functional(ctx.make_module())
+    holder = {"params": ctx.initial_params(), "grads": None}
+    holder["state"] = opt.init(holder["params"])
+
+    def loss_fn(params, x, y):
+        return loss_of(model.apply(params, x), y)
+
+    grad_and_value = torch.func.grad_and_value(loss_fn)
+
+    def step(i: int) -> None:
+        x, y = ctx.batch(i)
+        params = holder["params"]
+        grads, _ = grad_and_value(params, x, y)
+        grads = reduce(grads)
+        updates, holder["state"] = opt.update(grads, holder["state"], params)
+        holder["params"] = sf.optim.apply_updates(params, updates)
+        holder["grads"] = grads
+
+    def memory() -> dict[str, int]:
+        out = _tree_memory(holder["params"], holder["grads"], holder["state"])
+        if grads_kept is not None:
+            out["grads"] = grads_kept(holder["grads"])
+        return out
+
+    return System(step, memory, lambda: holder["params"], counts_comm=True)
+
+
+def _adamw(ctx: Context):
+    import shardfn as sf
+
+    return sf.optim.adamw(ctx.cfg.lr, weight_decay=ctx.cfg.weight_decay)
+
+
+@SYSTEMS.register("sf-dp", "shardfn data_parallel (torch.func)")
+def setup_sf_dp(ctx: Context) -> System:
+    import shardfn as sf
+
+    dp = sf.data_parallel(ctx.mesh, "dp")
+    return _pure_step_system(ctx, dp.reduce_grads, _adamw(ctx))
+
+
+@SYSTEMS.register("sf-dp-overlap", "shardfn data_parallel (autograd overlap)")
+def setup_sf_dp_overlap(ctx: Context) -> System:
+    import shardfn as sf
+
+    model = sf.functional(ctx.make_module())
+    opt = _adamw(ctx)
+    params = {k: v.requires_grad_() for k, v in ctx.initial_params().items()}
+    leaves = sf.pytree.tree_leaves(params)
+    dp = sf.data_parallel(ctx.mesh, "dp")
+    sync_params = dp.overlap(params)
+    holder = {"state": opt.init(params), "grads": None}
+
+    def step(i: int) -> None:
+        x, y = ctx.batch(i)
+        for p in leaves:
+            p.grad = None
+        with sync_params as sync:
+            loss_of(model.apply(params, x), y).backward()
+            grads = sync.grads()
+        with torch.no_grad():
+            updates, holder["state"] = opt.update(grads, holder["state"], params)
+            torch._foreach_add_(leaves, sf.pytree.tree_leaves(updates))
+        holder["grads"] = grads
+
+    def memory() -> dict[str, int]:
+        # both the .grad fields autograd wrote and the averaged tree sync.grads() returned
+        grads = [p.grad for p in leaves] + sf.pytree.tree_leaves(holder["grads"])
+        return {"params": storage_bytes(leaves), "grads": storage_bytes(grads),
+                "opt_state": storage_bytes(sf.pytree.tree_leaves(holder["state"]))}
+
+    return System(step, memory, lambda: {k: v.detach() for k, v in params.items()},
+                  counts_comm=True)
+
+
+@SYSTEMS.register("sf-zero1", "shardfn ZeRO-1 (shard_opt_state)")
+def setup_sf_zero1(ctx: Context) -> System:
+    import shardfn as sf
+
+    opt = sf.shard_opt_state(_adamw(ctx), ctx.mesh, "dp")
+    return _pure_step_system(ctx, lambda grads: grads, opt)
+
+
+@SYSTEMS.register("sf-zero2", "shardfn ZeRO-2 (shard_grads=True)")
+def setup_sf_zero2(ctx: Context) -> System:
+    import shardfn as sf
+
+    opt = sf.shard_opt_state(_adamw(ctx), ctx.mesh, "dp", shard_grads=True)
+    part = opt.partition(ctx.initial_params())
+    itemsize = torch.empty((), dtype=part.dtype).element_size()
+    # counted: the reduce-scattered gradient chunk this rank owns (padding included)
+    return _pure_step_system(ctx, lambda grads: grads, opt,
+                             grads_kept=lambda grads: part.chunk * itemsize)
+
+
+@SYSTEMS.register("broken-no-reduce", "check: shardfn without gradient averaging (wrong)",
+                  default=False)
+def setup_broken(ctx: Context) -> System:
+    """Deliberately wrong (each rank steps on its own gradients): the diff column must flag it."""
+    return _pure_step_system(ctx, lambda grads: grads, _adamw(ctx))
+
+
+# ----------------------------------------------------------------------------- breakdown
+
+
+def rank_breakdown(args: argparse.Namespace) -> list[tuple[str, float, int]]:
+    """Time the phases of the shardfn pure steps and their torch counterparts (best of a few).
+
+    Returns ``(phase, ms, minor page faults in the last repetition)`` per phase.
+    """
+    import resource
+
+    import shardfn as sf
+    from shardfn.primitives import _comm  # the Axis the flat collectives take (internal)
+
+    torch.set_num_threads(1)
+    cfg = QUICK if args.quick else Config()
+    ctx = Context(cfg, 1)
+    x, y = ctx.batch(0)
+    model = sf.functional(ctx.make_module())
+    params = ctx.initial_params()
+    opt = _adamw(ctx)
+    state = opt.init(params)
+    dp = sf.data_parallel(ctx.mesh, "dp")
+    zero = sf.shard_opt_state(opt, ctx.mesh, "dp")
+    zero_state = zero.init(params)
+    part = zero.partition(params)
+    ax = _comm.resolve("dp", ctx.mesh)
+    grad_and_value = torch.func.grad_and_value(lambda p, x, y: loss_of(model.apply(p, x), y))
+    module = ctx.make_module()
+    torch_opt = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  foreach=True)
+
+    def torch_fwd_bwd():
+        torch_opt.zero_grad(set_to_none=False)
+        loss_of(module(x), y).backward()
+
+    torch_fwd_bwd()
+    grads, _ = grad_and_value(params, x, y)
+    averaged = dp.reduce_grads(grads)
+    updates, _ = opt.update(averaged, state, params)
+    flat = part.flatten(grads)
+    chunk = part.reduce_scatter(flat, ax)
+    local_grads, local_params = part.unflatten_local(chunk), part.local(params)
+    local_updates, _ = opt.update(local_grads, zero_state.inner, local_params)
+    local_flat = part.flatten_local(local_updates)
+    gathered = part.all_gather(local_flat, ax)
+    plain = torch.cat([g.reshape(-1) for g in sf.pytree.tree_leaves(grads)])
+    phases = {
+        "torch: forward+backward (nn.Module)": torch_fwd_bwd,
+        "torch: AdamW.step (foreach, in place)": torch_opt.step,
+        "torch: dist.all_reduce in place (one flat)": lambda: dist.all_reduce(plain),
+        "shardfn: torch.func.grad_and_value": lambda: grad_and_value(params, x, y),
+        "shardfn: data_parallel.reduce_grads": lambda: dp.reduce_grads(grads),
+        "shardfn: adamw update (full tree)": lambda: opt.update(averaged, state, params),
+        "shardfn: apply_updates": lambda: sf.optim.apply_updates(params, updates),
+        "shardfn: shard_opt_state update (total)": lambda: zero.update(grads, zero_state, params),
+        "  ZeRO: FlatPartition.flatten(grads)": lambda: part.flatten(grads),
+        "  ZeRO: reduce_scatter (buckets)": lambda: part.reduce_scatter(flat, ax),
+        "  ZeRO: unflatten_local + local(params)": lambda: (part.unflatten_local(chunk),
+                                                           part.local(params)),
+        "  ZeRO: adamw update (own part)": lambda: opt.update(local_grads, zero_state.inner,
+                                                              local_params),
+        "  ZeRO: flatten_local(updates)": lambda: part.flatten_local(local_updates),
+        "  ZeRO: all_gather (buckets)": lambda: part.all_gather(local_flat, ax),
+        "  ZeRO: unflatten(gathered)": lambda: part.unflatten(gathered),
+    }
+    best = dict.fromkeys(phases, float("inf"))
+    faults = dict.fromkeys(phases, 0)
+    for _ in range(args.warmup + args.steps):
+        for name, fn in phases.items():
+            dist.barrier()
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t0 = time.perf_counter()
+            fn()
+            dist.barrier()
+            best[name] = min(best[name], time.perf_counter() - t0)
+            faults[name] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    return [(name, best[name] * 1e3, faults[name]) for name in phases]
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def rank_main(args: argparse.Namespace) -> tuple[list, float]:
+    torch.set_num_threads(1)
+    cfg = QUICK if args.quick else Config()
+    ctx = Context(cfg, args.warmup + args.steps)
+    log = (lambda msg: print(msg, flush=True)) if ctx.rank == 0 else (lambda msg: None)
+    t0 = time.perf_counter()
+    reference = "ddp" if "ddp" in args.systems else args.systems[0]
+    results = run_interleaved(ctx, SYSTEMS, args.systems, warmup=args.warmup, steps=args.steps,
+                              reference=reference, log=log)
+    return results, time.perf_counter() - t0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2, help="local CPU ranks (gloo)")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per system")
+    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps per system")
+    parser.add_argument("--systems", nargs="+", default=SYSTEMS.defaults(),
+                        choices=list(SYSTEMS.entries), metavar="KEY",
+                        help=f"systems to run, in table order (all: {list(SYSTEMS.entries)})")
+    parser.add_argument("--quick", action="store_true", help="tiny model: a smoke test")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="instead of the table, time the phases of the shardfn steps "
+                             "(best of --warmup + --steps repetitions)")
+    parser.add_argument("--malloc-cache", action="store_true",
+                        help="start the ranks with glibc malloc keeping freed memory (no mmap, "
+                             "no trim), so fresh large tensors do not page-fault")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from shardfn.testing import local_world
+
+    cfg = QUICK if args.quick else Config()
+    psi = num_params(cfg)
+    if args.malloc_cache:  # read by glibc when the spawned ranks start
+        os.environ.update(MALLOC_CACHE_ENV)
+    malloc = " ".join(f"{k}={os.environ[k]}" for k in MALLOC_CACHE_ENV if k in os.environ)
+    command = " ".join([os.path.relpath(sys.executable), *sys.argv])
+    print(f"$ {command}")
+    print(machine_info())
+    print(f"model: {cfg.blocks} blocks, d={cfg.d}, hidden={cfg.hidden}, {psi / 1e6:.2f}M params "
+          f"({psi * 4 / MiB:.1f} MiB fp32); global batch {cfg.batch}x{cfg.tokens}x{cfg.d}; "
+          f"AdamW(lr={cfg.lr}, wd={cfg.weight_decay}); {args.ranks} ranks, "
+          f"{args.warmup}+{args.steps} steps per system, interleaved; malloc: "
+          f"{malloc or 'glibc defaults'}", flush=True)
+    if args.breakdown:
+        with local_world(args.ranks, timeout=600.0) as world:
+            rows = world.run(rank_breakdown, args)[0]
+        print("\n| phase (rank 0, best of the repetitions) | ms | minor page faults |")
+        print("|---|---:|---:|")
+        for name, ms, faults in rows:
+            print(f"| {name} | {ms:.1f} | {faults} |")
+        return
+    with local_world(args.ranks, timeout=600.0) as world:
+        outputs = world.run(rank_main, args)
+    results, seconds = outputs[0]
+    reference = "ddp" if "ddp" in args.systems else args.systems[0]
+    print()
+    print(markdown_table(results, reference, psi))
+    zero_formula = (4 + 4 + 8 / args.ranks) * psi
+    print(f"\nZeRO-1 formula 4Ψ+4Ψ+8Ψ/N = {zero_formula / MiB:.0f} MiB "
+          f"({zero_formula / psi:.0f} B/param); ZeRO-2 4Ψ+(4Ψ+8Ψ)/N = "
+          f"{(4 + 12 / args.ranks) * psi / MiB:.0f} MiB; ring volume 2Ψ(N-1)/N = "
+          f"{2 * 4 * psi * (args.ranks - 1) / args.ranks / MiB:.1f} MiB/step. "
+          f"Run took {seconds:.0f} s.")
+
+
+if __name__ == "__main__":
+    main()
