@@ -31,6 +31,7 @@ from shardfn.spec import Layout, P, gather, layout_of, local_shape, shard, spec_
 from shardfn.transforms import (
     DataParallel,
     LossScaler,
+    OffloadPolicy,
     Precision,
     ScaleState,
     ShardedModel,
@@ -65,6 +66,7 @@ __all__ = [
     "Precision",
     "Mesh",
     "Offload",
+    "OffloadPolicy",
     "P",
     "accumulate_grads",
     "all_finite",

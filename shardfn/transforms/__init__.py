@@ -12,11 +12,12 @@ from shardfn.transforms.loss_scale import (
 )
 from shardfn.transforms.precision import Precision, cast_floating, with_precision
 from shardfn.transforms.shard_opt_state import ShardedOptimizer, ShardedOptState, shard_opt_state
-from shardfn.transforms.shard_params import ShardedModel, shard_params
+from shardfn.transforms.shard_params import OffloadPolicy, ShardedModel, shard_params
 
 __all__ = [
     "DataParallel",
     "LossScaler",
+    "OffloadPolicy",
     "Precision",
     "ScaleState",
     "ShardedOptState",

@@ -10,8 +10,11 @@ the step computes and communicates in:
   in the master dtype.
 * ``reduce_dtype`` — gradients are reduced (all-reduce / reduce-scatter) in it
   and cast back to the master dtype after; ``data_parallel``,
-  ``shard_opt_state`` and ``shard_params`` take ``precision=``. Default: the
-  gradients' own dtype (float32 for float32 masters), i.e. exact reduction.
+  ``shard_opt_state`` and ``shard_params`` take ``precision=``. Default (None):
+  under ``shard_params`` the ``param_dtype`` (FSDP2's default: a unit's gradient
+  is produced in ``param_dtype`` and reduced as it is); under ``data_parallel``
+  and ``shard_opt_state`` the gradients' own dtype — with ``with_precision`` they
+  reach the reduction already cast back to the master dtype, so it is exact.
 * ``output_dtype`` — floating outputs are cast to it (e.g. float32 logits for
   the loss).
 * ``cast_inputs`` — floating positional/keyword inputs are cast to

@@ -54,6 +54,25 @@ shards, plus up to ``prefetch + 1`` units' full parameters (and the root's),
 plus the activations at unit boundaries and one unit's inner activations. The
 root unit stays gathered through forward and through backward.
 
+Large-model options (helpers in ``_units.py``):
+
+* ``precision=sf.Precision(...)`` (FSDP2 ``MixedPrecisionPolicy``): each unit's floating
+  shards are cast to ``param_dtype`` as they are packed for the all-gather (bf16 halves
+  its bytes) and the unit computes in it; the full gradients are reduce-scattered in
+  ``reduce_dtype`` (default ``param_dtype``) and come back in the shards' own (master)
+  dtype. Floating buffers and 0-dim parameters are cast too, like ``with_precision``.
+* ``offload=True`` / ``OffloadPolicy(storage, compute)`` (ZeRO-Offload): shards, their
+  gradients and so the optimizer state live on the storage device; a unit's shards are
+  copied to the compute device just before its all-gather, gradient shards back after
+  the reduce-scatter; bytes are counted in ``sf.comm_stats()`` under ``"h2d"``/``"d2h"``.
+* ``remat=policy``: the unit's (and root's) forward records the outputs the policy saves
+  (never values computed from the gathered parameters alone) and the backward replays
+  them instead of recomputing; ``everything_saveable`` is JAX's FSDP ("save everything
+  but the all-gathered parameters").
+* ``model.accumulate_grads(loss_fn, k, mode)``: ``k`` micro-batches per step with one
+  reduce-scatter per unit (``"reduce_once"``: full gradients accumulate locally) or
+  ``k`` of them (``"reduce_each"``: shard gradients accumulate).
+
 Example:
     >>> fmodel = sf.functional(net)
     >>> model = shard_params(fmodel, mesh, axis="dp", units=Block)
@@ -70,7 +89,7 @@ import copy
 import dataclasses
 import difflib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -82,8 +101,19 @@ from shardfn.mesh import AxisName, Mesh
 from shardfn.primitives import _comm, stats
 from shardfn.primitives.flat import all_reduce_async
 from shardfn.spec import Layout, P, local_shape, shard
+from shardfn.transforms._units import (
+    Accumulator,
+    NoReduce,
+    OffloadPolicy,
+    Placement,
+    UnitRecorder,
+    UnitReplayer,
+)
+from shardfn.transforms.accumulate import split_batch
+from shardfn.transforms.precision import Precision, cast_floating
+from shardfn.transforms.remat import Policy, nothing_saveable
 
-__all__ = ["ShardedModel", "UnitPolicy", "shard_params"]
+__all__ = ["OffloadPolicy", "ShardedModel", "UnitPolicy", "shard_params"]
 
 _ops = torch.ops._c10d_functional
 _ACTIVE: list[_Step] = []  # apply() calls whose root forward is running, innermost last
@@ -111,7 +141,9 @@ class ShardedModel:
         specs: leaf name -> :class:`~shardfn.spec.Layout` (``P(axis)`` on dim 0, or ``P()``
             for 0-dim parameters and buffers), with the global shape.
         names: leaf names, as in ``functional.names``.
-        reshard_after_forward, prefetch, grad_reduce: as given to :func:`shard_params`.
+        reshard_after_forward, prefetch, grad_reduce, precision, offload, remat: as given
+            to :func:`shard_params` (``offload`` normalised to an :class:`OffloadPolicy`
+            with the devices resolved, or None).
     """
 
     functional: FunctionalModel
@@ -124,6 +156,9 @@ class ShardedModel:
     reshard_after_forward: bool
     prefetch: int
     grad_reduce: str
+    precision: Precision | None
+    offload: OffloadPolicy | None
+    remat: Policy | None
     _units: tuple[_Unit, ...]
     _root: _Unit
     _ax: _comm.Axis
@@ -137,6 +172,8 @@ class ShardedModel:
     _init_groups: tuple[tuple[str, ...], ...]
     _order_hint: list[int]  # unit order of the previous forward (a prefetch guess only)
     _token: object
+    _place: Placement  # dtypes and devices (precision, offload)
+    _masters: dict[str, torch.dtype]  # each leaf's own (master) dtype
 
     def init(self, seed: int, device: torch.device | str | None = None) -> Params:
         """This rank's shards of ``functional.init(seed)``, built one unit at a time.
@@ -146,7 +183,8 @@ class ShardedModel:
 
         Args:
             seed: as for ``FunctionalModel.init``.
-            device: where to build them (default: the mesh's device).
+            device: where to build them (default: the mesh's device; with ``offload``,
+                the storage device, and the shards end up there, pinned if asked).
 
         Returns:
             ``name -> local shard`` (buffers and 0-dim parameters whole), equal to
@@ -155,7 +193,8 @@ class ShardedModel:
         Example:
             >>> shards = model.init(0)
         """
-        device = self.mesh.device if device is None else device
+        if device is None:
+            device = self._place.storage if self._place.offload else self.mesh.device
         out: Params = {}
         for paths in self._init_groups:
             out.update(self._shard_leaves(self.functional.init_subset(seed, paths, device=device)))
@@ -168,7 +207,7 @@ class ShardedModel:
             full_params: ``name -> full tensor`` as ``functional.init`` returns.
 
         Returns:
-            ``name -> local shard``.
+            ``name -> local shard`` (on the storage device with ``offload``).
 
         Example:
             >>> shards = model.shard(fmodel.init(0))
@@ -188,7 +227,8 @@ class ShardedModel:
             *args, **kwargs: passed to the module's forward.
 
         Returns:
-            Whatever the module's forward returns.
+            Whatever the module's forward returns (floating outputs in
+            ``precision.output_dtype`` if set).
 
         Raises:
             ValueError / TypeError: a missing or unexpected leaf, or one whose shape is
@@ -198,11 +238,98 @@ class ShardedModel:
             >>> logits = model.apply(shards, tokens)
         """
         self.check(shards)
+        place, precision = self._place, self.precision
+        if place.offload:  # inputs go where the units compute (differentiably)
+            args, kwargs = pytree.tree_map(
+                lambda x: x.to(place.compute) if isinstance(x, torch.Tensor) else x,
+                (args, kwargs))
+        if precision is not None and precision.cast_inputs:
+            args, kwargs = cast_floating((args, kwargs), precision.param_dtype)
         arg_spec, arg_tensors = _TreeSpec.of((args, kwargs))
         grad = torch.is_grad_enabled()
         step = _Step(self, arg_spec, keep=grad and not self.reshard_after_forward, record=grad)
         outputs = _RootFn.apply(step, *[shards[name] for name in self.names], *arg_tensors)
-        return step.out_spec.build(outputs)
+        out = step.out_spec.build(outputs)
+        return cast_floating(out, precision.output_dtype) if precision is not None else out
+
+    def accumulate_grads(self, loss_fn: Callable, num_micro_batches: int,
+                         mode: str = "reduce_once") -> Callable:
+        """``grad_and_value`` of ``loss_fn`` over ``k`` micro-batches, reduced once or each time.
+
+        The batch (every tensor leaf, along dim 0) is split into ``k`` equal
+        micro-batches; ``loss_fn(shards, micro_batch, *rest)`` (a mean over its
+        micro-batch) is differentiated on each with ``torch.func.grad_and_value``, and
+        the result is the mean over the micro-batches: for equal micro-batches, the
+        gradient of the loss of the whole batch.
+
+        Args:
+            loss_fn: ``loss_fn(shards, batch, *rest) -> scalar`` calling :meth:`apply`.
+            num_micro_batches: ``k``.
+            mode: ``"reduce_once"`` (default): each unit's backward adds its *full*
+                gradient to a local sum (no reduce-scatter), and every unit is
+                reduce-scattered once after the last micro-batch: one reduce-scatter
+                per unit (and dtype) per step, for one full gradient of the model per
+                rank (master dtype) of memory. ``"reduce_each"``: every micro-batch
+                reduce-scatters as usual and the shard gradients are summed: ``k``
+                reduce-scatters per unit, gradient memory ``1/N``.
+
+        Returns:
+            ``fn(shards, batch, *rest) -> (grads, loss)`` like ``torch.func.grad_and_value``
+            (``grads`` has the structure of ``shards``, a mapping ``name -> tensor``; it
+            may hold a subset of the leaves, the rest coming from a closure).
+
+        Raises:
+            ValueError: an unknown mode, ``k < 1``, or a batch leaf not divisible by ``k``.
+
+        Example:
+            >>> step = model.accumulate_grads(loss_fn, 4, mode="reduce_once")
+            >>> grads, loss = step(shards, (tokens, targets))
+        """
+        if mode not in ("reduce_once", "reduce_each"):
+            raise ValueError(f"accumulate_grads: mode must be 'reduce_once' or 'reduce_each', "
+                             f"got {mode!r}")
+        if (isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int)
+                or num_micro_batches < 1):
+            raise ValueError(f"accumulate_grads: num_micro_batches must be an int >= 1, got "
+                             f"{num_micro_batches!r}")
+        grad_fn = torch.func.grad_and_value(loss_fn)
+        k = num_micro_batches
+
+        def fn(shards: Any, batch: Any, *rest: Any) -> tuple[Any, torch.Tensor]:
+            if mode == "reduce_once" and not isinstance(shards, Mapping):
+                raise TypeError(f"accumulate_grads(mode='reduce_once') needs the shards as a "
+                                f"mapping name -> tensor, got {type(shards).__name__}")
+            micro_batches = split_batch(batch, k)
+            total = None
+            with (Accumulator(self._token) if mode == "reduce_once"
+                  else contextlib.nullcontext()) as accumulator:
+                for micro in micro_batches:
+                    out = grad_fn(shards, micro, *rest)
+                    total = out if total is None else pytree.tree_map(torch.add, total, out)
+                    del out  # only the running sum stays alive between micro-batches
+            grads, loss = total
+            if accumulator is not None:
+                grads = dict(grads)
+                for name, grad in self._reduce_accumulated(accumulator).items():
+                    if name in grads:
+                        grads[name] = grads[name] + grad
+            return pytree.tree_map(lambda t: t / k, (grads, loss))
+
+        return fn
+
+    def _reduce_accumulated(self, accumulator: Accumulator) -> Params:
+        """Reduce every unit's summed full gradients once: ``name -> shard gradient``."""
+        some = [g for grads in accumulator.grads.values() for g in grads.values()]
+        device = some[0].device if some else (self._place.compute or self.mesh.device)
+        out: Params = {}
+        for unit in (*self._units, self._root):  # every rank reduces every unit, in order
+            grads = accumulator.grads.pop(unit.index, {})
+            for name in unit.owned_grads:  # a unit no micro-batch called: zeros
+                if name not in grads:
+                    grads[name] = torch.zeros(self.specs[name].shape, dtype=self._masters[name],
+                                              device=device)
+            out.update(_Reduce(self, unit, grads).wait())
+        return out
 
     def check(self, shards: Mapping[str, torch.Tensor]) -> None:
         """Raise a ``ValueError``/``TypeError`` naming the leaf unless ``shards`` fits ``specs``."""
@@ -240,20 +367,23 @@ class ShardedModel:
         return shard_params(self.functional.train(mode), self.mesh, axis=self.axis,
                             units=list(self.units) or None, prefetch=self.prefetch,
                             reshard_after_forward=self.reshard_after_forward,
-                            replicate_axis=self.replicate_axis, grad_reduce=self.grad_reduce)
+                            replicate_axis=self.replicate_axis, grad_reduce=self.grad_reduce,
+                            precision=self.precision, offload=self.offload, remat=self.remat)
 
     def eval(self) -> ShardedModel:
         """Same as ``train(False)``."""
         return self.train(False)
 
     def _shard_leaves(self, full: Mapping[str, torch.Tensor]) -> Params:
-        return {name: shard(x, self.specs[name], self.mesh).clone() for name, x in full.items()}
+        return {name: self._place.store(shard(x, self.specs[name], self.mesh).clone())
+                for name, x in full.items()}
 
     def __repr__(self) -> str:
         return (f"ShardedModel({type(self.functional.module).__name__}, axis={self.axis!r}, "
                 f"{len(self.units)} units + root, reshard_after_forward="
                 f"{self.reshard_after_forward}, prefetch={self.prefetch}, "
-                f"replicate_axis={self.replicate_axis!r})")
+                f"replicate_axis={self.replicate_axis!r}, precision={self.precision}, "
+                f"offload={self.offload}, remat={getattr(self.remat, '__name__', self.remat)})")
 
 
 def shard_params(
@@ -266,6 +396,9 @@ def shard_params(
     prefetch: int = 1,
     replicate_axis: AxisName | None = None,
     grad_reduce: str = "mean",
+    precision: Precision | None = None,
+    offload: OffloadPolicy | bool | None = None,
+    remat: Policy | None = None,
 ) -> ShardedModel:
     """Shard every parameter of ``model`` on dim 0 over ``axis`` (ZeRO-3 / FSDP; HSDP).
 
@@ -284,6 +417,20 @@ def shard_params(
         replicate_axis: HSDP: a second axis over which the shards are replicated and
             the gradients are also reduced.
         grad_reduce: ``"mean"`` (divide by the number of data-parallel ranks) or ``"sum"``.
+        precision: an ``sf.Precision`` (FSDP2 ``MixedPrecisionPolicy``): shards stay in
+            their (master) dtype; each unit's floating shards are cast to
+            ``param_dtype`` before its all-gather and it computes in it; gradients are
+            reduce-scattered in ``reduce_dtype`` (default ``param_dtype``) and returned
+            in the master dtype; ``output_dtype`` / ``cast_inputs`` as in ``with_precision``.
+        offload: True or an :class:`OffloadPolicy` (ZeRO-Offload): shards (so gradients
+            and optimizer state) live on the storage device; each unit's shards are
+            copied to the compute device just before its all-gather, and the shard
+            gradients back after the reduce-scatter (counted in ``sf.comm_stats()``
+            under ``"h2d"`` / ``"d2h"``).
+        remat: a policy of ``sf.checkpoint_policies`` for each unit's (and the root's)
+            activations: forward keeps the outputs the policy saves (never values
+            computed from parameters alone) and backward replays them instead of
+            recomputing; None (default): recompute the whole unit.
 
     Returns:
         A :class:`ShardedModel`.
@@ -312,6 +459,12 @@ def shard_params(
         raise ValueError(f"grad_reduce must be 'mean' or 'sum', got {grad_reduce!r}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+    if remat is not None and not callable(remat):
+        raise TypeError(f"remat must be a policy (op, name) -> bool, e.g. "
+                        f"sf.checkpoint_policies.dots_saveable; got {remat!r}")
+    if remat is nothing_saveable:
+        remat = None  # the same: every unit is recomputed whole, nothing to record
+    place = Placement.of(precision, offload)
     ax = _comm.resolve(axis, mesh)
     replicate_ax = None
     all_names = ax.names
@@ -324,7 +477,7 @@ def shard_params(
 
     paths = _resolve_units(model, units)
     token = object()
-    unit_plans, root = _build_units(model, paths, ax.size, token)
+    unit_plans, root = _build_units(model, paths, ax.size, token, place)
     shapes = model.param_shapes()
     specs, local_shapes = {}, {}
     for name in model.names:
@@ -338,13 +491,21 @@ def shard_params(
         functional=model, mesh=mesh, axis=axis, replicate_axis=replicate_axis,
         units=paths, specs=specs, names=model.names,
         reshard_after_forward=bool(reshard_after_forward), prefetch=prefetch,
-        grad_reduce=grad_reduce, _units=unit_plans, _root=root, _ax=ax,
+        grad_reduce=grad_reduce, precision=precision,
+        offload=OffloadPolicy(place.storage, place.compute, place.pin) if place.offload else None,
+        remat=remat, _units=unit_plans, _root=root, _ax=ax,
         _replicate_ax=replicate_ax, _all_ax=all_ax,
         _scale=1.0 / all_ax.size if grad_reduce == "mean" else 1.0,
         _local_shapes=local_shapes, _buffer_set=frozenset(model.buffer_names),
         _trainable_set=trainable, _unit_trainable=in_units,
         _init_groups=_init_groups(model, paths), _order_hint=[], _token=token,
+        _place=place, _masters={name: shapes[name].dtype for name in model.names},
     )
+
+
+# ``sf.transforms.shard_params`` is this function (the package re-exports it over the module
+# name), so the policy class is reachable from it as well: shard_params.OffloadPolicy(...)
+shard_params.OffloadPolicy = OffloadPolicy  # type: ignore[attr-defined]
 
 
 # ================================================================ choosing units
@@ -419,6 +580,8 @@ class _Flat:
     local_shapes: tuple[tuple[int, ...], ...]  # padded shard shapes
     offsets: tuple[int, ...]  # start of each shard in this rank's chunk
     chunk: int  # elements per rank
+    dtype: torch.dtype  # what the collective moves (param_dtype / reduce_dtype)
+    master: torch.dtype  # the leaves' own dtype
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -464,8 +627,8 @@ class _UnitCall(nn.Module):
             return getattr(self.__dict__["_shardfn_inner"], name)
 
 
-def _build_units(model: FunctionalModel, paths: tuple[str, ...], n: int,
-                 token: object) -> tuple[tuple[_Unit, ...], _Unit]:
+def _build_units(model: FunctionalModel, paths: tuple[str, ...], n: int, token: object,
+                 place: Placement) -> tuple[tuple[_Unit, ...], _Unit]:
     skeleton = copy.deepcopy(model.module)  # meta: free; the wrapping must not touch `model`
     inner = [skeleton.get_submodule(p) for p in paths]
     used: dict[int, dict[str, str]] = {}  # unit index -> leaf name -> its name in the module
@@ -493,11 +656,13 @@ def _build_units(model: FunctionalModel, paths: tuple[str, ...], n: int,
                          and index != -1)
         grad_inputs = tuple(x for x in sharded + replicated + external if x in trainable)
         dims = {x: tuple(shapes[x].shape) for x in sharded}
-        dtypes = {x: shapes[x].dtype for x in sharded}
+        gather = {x: (place.compute_dtype(shapes[x].dtype), shapes[x].dtype) for x in sharded}
+        scatter = {x: (place.comm_reduce_dtype(shapes[x].dtype), shapes[x].dtype)
+                   for x in sharded}
         owned_grads = tuple(x for x in grad_inputs if x not in external)
         return _Unit(index, path, module, tuple(used[index].items()), sharded, replicated,
-                     external, grad_inputs, owned_grads, _flats(sharded, dims, dtypes, n),
-                     _flats([x for x in sharded if x in trainable], dims, dtypes, n))
+                     external, grad_inputs, owned_grads, _flats(sharded, dims, gather, n),
+                     _flats([x for x in sharded if x in trainable], dims, scatter, n))
 
     units = tuple(plan(i, p, m) for i, (p, m) in enumerate(zip(paths, inner, strict=True)))
     return units, plan(-1, "", skeleton)
@@ -516,16 +681,17 @@ def _leaf_names(module: nn.Module, model: FunctionalModel, prefix: str) -> dict[
 
 def _flats(names: Sequence[str], shapes: Mapping[str, tuple], dtypes: Mapping,
            n: int) -> tuple[_Flat, ...]:
-    by_dtype: dict[torch.dtype, list[str]] = {}
+    """One flat buffer per (communication dtype, master dtype) pair of ``dtypes[name]``."""
+    by_dtype: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
     for name in names:
         by_dtype.setdefault(dtypes[name], []).append(name)
     out = []
-    for group in by_dtype.values():
+    for (dtype, master), group in by_dtype.items():
         local = [(math.ceil(shapes[x][0] / n),) + tuple(shapes[x][1:]) for x in group]
         sizes = [math.prod(s) for s in local]
         offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
         out.append(_Flat(tuple(group), tuple(shapes[x] for x in group), tuple(local), offsets,
-                         sum(sizes)))
+                         sum(sizes), dtype, master))
     return tuple(out)
 
 
@@ -544,22 +710,32 @@ def _init_groups(model: FunctionalModel, paths: tuple[str, ...]) -> tuple[tuple[
 
 
 class _Gather:
-    """The all-gather of one unit's shards: issued on construction, waited by :meth:`wait`."""
+    """The all-gather of one unit's shards: issued on construction, waited by :meth:`wait`.
 
-    def __init__(self, unit: _Unit, shards: Mapping[str, torch.Tensor], ax: _comm.Axis):
+    Each shard is first copied to the compute device (offload) and cast to its
+    compute dtype (precision) as it is packed into the flat buffer.
+    """
+
+    def __init__(self, unit: _Unit, shards: Mapping[str, torch.Tensor], ax: _comm.Axis,
+                 place: Placement):
         self.unit, self.ax, self.handles = unit, ax, []
-        self.shards = {name: shards[name] for name in unit.sharded}
         if ax.size == 1:
+            self.full = {name: place.gather_input(shards[name]) for name in unit.sharded}
             return
         for flat in unit.gather:
-            chunk = torch.cat([self.shards[name].detach().reshape(-1) for name in flat.names])
+            device = place.compute or shards[flat.names[0]].device
+            chunk = torch.empty(flat.chunk, dtype=flat.dtype, device=device)
+            for name, local, offset in zip(flat.names, flat.local_shapes, flat.offsets,
+                                           strict=True):
+                chunk[offset:offset + math.prod(local)].copy_(
+                    place.to_compute(shards[name]).reshape(-1))  # casts to flat.dtype
             stats.record(ax.key, "all_gather", chunk.numel() * chunk.element_size() * (ax.size - 1))
             self.handles.append(_ops.all_gather_into_tensor(chunk, ax.size, ax.group_name))
 
     def wait(self) -> Params:
         """The unit's full parameters (``name -> tensor`` with the global shape)."""
         if self.ax.size == 1:
-            return {name: shard.detach() for name, shard in self.shards.items()}
+            return self.full
         with stats.collective_scope(self.ax.describe(f"all_gather of unit {self.unit.label}")):
             buffers = [_ops.wait_tensor(h) for h in self.handles]
         full = {}
@@ -568,7 +744,10 @@ class _Gather:
             for name, shape, local, offset in zip(flat.names, flat.shapes, flat.local_shapes,
                                                   flat.offsets, strict=True):
                 piece = rows[:, offset:offset + math.prod(local)]
-                full[name] = piece.reshape((self.ax.size * local[0],) + local[1:])[:shape[0]]
+                piece = piece.reshape((self.ax.size * local[0],) + local[1:])[:shape[0]]
+                # contiguous, like one process's parameter: kernels (bf16 ones especially)
+                # may round differently on strided operands; most pieces are copies already
+                full[name] = piece.contiguous()
         return full
 
 
@@ -577,13 +756,15 @@ class _Reduce:
 
     Takes ownership of ``grads`` (full gradients of the unit's owned trainable leaves): each
     is dropped once copied into the flat buffer, so buffer and gradients are not both whole.
+    The buffer has the reduce dtype; the shard gradients come back in the master dtype,
+    on the storage device.
     """
 
     def __init__(self, model: ShardedModel, unit: _Unit, grads: dict[str, torch.Tensor]):
         self.model, self.unit, self.handles = model, unit, []
         ax = model._ax
         for flat in unit.scatter:  # one flat reduce-scatter per dtype
-            buffer = grads[flat.names[0]].new_empty(ax.size, flat.chunk)
+            buffer = grads[flat.names[0]].new_empty(ax.size, flat.chunk, dtype=flat.dtype)
             for name, shape, local, offset in zip(flat.names, flat.shapes, flat.local_shapes,
                                                   flat.offsets, strict=True):
                 grad = grads.pop(name).detach()
@@ -611,15 +792,18 @@ class _Reduce:
         if rep is not None and rep.size > 1:
             with stats.collective_scope(rep.describe(f"psum of unit {unit.label}")):
                 chunks = [_ops.wait_tensor(h) for h in [all_reduce_async(c, rep) for c in chunks]]
-        out = {}
+        place, out = model._place, {}
         for flat, chunk in zip(unit.scatter, chunks, strict=True):
+            chunk = chunk.to(flat.master)
             if model._scale != 1.0:
                 chunk = chunk * model._scale
             for name, local, offset in zip(flat.names, flat.local_shapes, flat.offsets,
                                            strict=True):
-                out[name] = chunk[offset:offset + math.prod(local)].view(local)
+                out[name] = place.to_storage(chunk[offset:offset + math.prod(local)].view(local))
         for name, grad in self.replicated.items():
-            out[name] = _comm.psum(grad, model._all_ax) * model._scale
+            master = model._masters[name]
+            reduced = _comm.psum(grad.to(place.comm_reduce_dtype(master)), model._all_ax)
+            out[name] = place.to_storage(reduced.to(master) * model._scale)
         return out
 
 
@@ -656,6 +840,7 @@ class _Saved:
     spec: _TreeSpec
     rng_before: Any
     rng_after: Any
+    replay: dict | None = None  # the remat policy's saved op outputs inside the unit
 
 
 class _Step:
@@ -667,6 +852,7 @@ class _Step:
         self.keep = keep  # keep full params for backward (reshard_after_forward=False)
         self.record = record  # a backward may follow: save unit outputs for replay
         self.shards: Params = {}  # plain local shards and buffers (as _RootFn.forward got them)
+        self.local: Params = {}  # replicated leaves and buffers on the compute device, cast
         self.root_plain: Params = {}  # the root's full parameters, plain
         self.root_values: Params = {}  # the root's full parameters in the recompute (primals)
         self.overrides: Params = {}  # unit shards as primals of the root's recompute
@@ -681,6 +867,28 @@ class _Step:
         self.kept_uses: dict[int, int] = {}
         self.out_spec: _TreeSpec | None = None
         self.rng_root: Any = None
+        self.accumulator = Accumulator.current(model._token)  # reduce_once: add, don't reduce
+        self.root_mode: UnitRecorder | UnitReplayer | None = None  # the root's remat mode
+        self.root_replay: dict | None = None  # what the root's recorder saved
+
+    def gather(self, unit: _Unit) -> _Gather:
+        return _Gather(unit, self.shards, self.model._ax, self.model._place)
+
+    def reduce(self, unit: _Unit, grads: dict[str, torch.Tensor]) -> _Reduce | NoReduce:
+        """Start reducing ``unit``'s full gradients (or add them to the accumulator)."""
+        if self.accumulator is not None:
+            self.accumulator.add(unit.index, grads, self.model._masters)
+            return NoReduce()
+        return _Reduce(self.model, unit, grads)
+
+    @contextlib.contextmanager
+    def unit_scope(self) -> Iterator[None]:
+        """Hide a unit's ops from the root's remat recorder / replayer."""
+        if self.root_mode is None:
+            yield
+        else:
+            with self.root_mode.pause():
+                yield
 
     # ---- gathering, with prefetch ----------------------------------------------------------
     def gathered(self, unit: _Unit, phase: str, position: int) -> Params:
@@ -691,7 +899,7 @@ class _Step:
         if pending is None or pending.unit is not unit:
             if pending is not None:
                 pending.wait()  # a wrong guess: complete it and drop it
-            pending = _Gather(unit, self.shards, self.model._ax)
+            pending = self.gather(unit)
         full = pending.wait()
         self.prefetch(phase, position)
         if self.keep and phase == "forward":
@@ -709,7 +917,7 @@ class _Step:
                                                         -1) if q >= 0]
         for q, index in ahead:
             if (phase, q) not in self.prefetched and index not in self.kept:
-                self.prefetched[(phase, q)] = _Gather(model._units[index], self.shards, model._ax)
+                self.prefetched[(phase, q)] = self.gather(model._units[index])
 
     def drop_prefetched(self) -> None:
         for pending in self.prefetched.values():
@@ -725,30 +933,40 @@ class _Step:
             elif name in full:
                 params[rel] = full[name]
             elif name in self.model._buffer_set:
-                params[rel] = self.shards[name].clone()  # private: forward may update it
+                params[rel] = self.local[name].clone()  # private: forward may update it
             elif name in unit.external:
                 params[rel] = self.root_plain[name]
-            else:
-                params[rel] = self.shards[name]
+            else:  # a replicated (0-dim) parameter
+                params[rel] = self.local[name]
         return params
 
     # ---- forward ---------------------------------------------------------------------------
     def forward_root(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        root, names = self.model._root, self.model.names
+        model = self.model
+        root, names, place = model._root, model.names, model._place
         self.shards = dict(zip(names, tensors[:len(names)], strict=True))
+        local = [n for u in (*model._units, root) for n in u.replicated] + [
+            n for n in names if n in model._buffer_set]
+        self.local = {n: place.cast(place.to_compute(self.shards[n])) for n in local}
         args, kwargs = self.arg_spec.build(tensors[len(names):])
-        pending = _Gather(root, self.shards, self.model._ax)
+        pending = self.gather(root)
         self.prefetch("forward", -1)
         full = pending.wait()
         if self.keep:
             self.kept[-1] = full
-        self.root_plain = {**full, **{n: self.shards[n] for n in root.replicated}}
+        self.root_plain = {**full, **{n: self.local[n] for n in root.replicated}}
         self.rng_root = _rng_state()
+        params = self.params_for(root, self.root_plain)
+        if self.record and model.remat is not None:
+            self.root_mode = UnitRecorder(model.remat, params)
         try:
-            with _active(self):
-                out = _call(root, self.params_for(root, self.root_plain), args, kwargs)
+            with _active(self), self.root_mode or contextlib.nullcontext():
+                out = _call(root, params, args, kwargs)
         finally:
             self.drop_prefetched()
+        if self.root_mode is not None:
+            self.root_replay, self.root_mode = self.root_mode.finish(), None
+        del params
         self.model._order_hint[:] = self.order
         self.root_plain = {}
         self.out_spec, outputs = _TreeSpec.of(out)
@@ -757,20 +975,29 @@ class _Step:
 
     def call_unit(self, index: int, args: tuple, kwargs: dict) -> Any:
         unit = self.model._units[index]
-        if self.mode == "replay":
-            return self.replay_unit(unit, args, kwargs)
+        with self.unit_scope():
+            if self.mode == "replay":
+                return self.replay_unit(unit, args, kwargs)
+            return self.forward_unit(unit, args, kwargs)
+
+    def forward_unit(self, unit: _Unit, args: tuple, kwargs: dict) -> Any:
         position = len(self.order)
-        self.order.append(index)
+        self.order.append(unit.index)
         rng_before = _rng_state()
         full = self.gathered(unit, "forward", position)
-        out = _call(unit, self.params_for(unit, full), args, kwargs)
-        del full
+        params = self.params_for(unit, full)
+        recorder = None
+        if self.record and self.model.remat is not None:
+            recorder = UnitRecorder(self.model.remat, params)
+        with recorder or contextlib.nullcontext():
+            out = _call(unit, params, args, kwargs)
+        del full, params
         if self.keep:
-            self.kept_uses[index] = self.kept_uses.get(index, 0) + 1
+            self.kept_uses[unit.index] = self.kept_uses.get(unit.index, 0) + 1
         if self.record:
             spec, tensors = _TreeSpec.of(out)
             self.saved.append(_Saved(tensors, [t._version for t in tensors], spec, rng_before,
-                                     _rng_state()))
+                                     _rng_state(), recorder.finish() if recorder else None))
         return out
 
     def replay_unit(self, unit: _Unit, args: tuple, kwargs: dict) -> Any:
@@ -816,10 +1043,10 @@ class _Step:
                                "once (it frees what it saved); call model.apply again")
         full = self.kept.pop(-1, None)
         if full is None:
-            pending = _Gather(root, self.shards, model._ax)
+            pending = self.gather(root)
             self.prefetch("backward", len(self.order))
             full = pending.wait()
-        self.root_plain = {**full, **{n: self.shards[n] for n in root.replicated}}
+        self.root_plain = {**full, **{n: self.local[n] for n in root.replicated}}
         root_train = {n: self.root_plain[n] for n in root.grad_inputs}
         unit_train = {n: self.shards[n] for n in model._unit_trainable}
         n_leaves = len(model.names)
@@ -832,23 +1059,30 @@ class _Step:
                                                 for i, t in enumerate(arg_tensors)])
             self.mode, self.replay_at, self.overrides = "replay", 0, unit_train
             self.root_values = {**self.root_plain, **root_train}
-            with _active(self), _forked_rng(self.rng_root):
-                out = _call(root, self.params_for(root, self.root_values), args, kwargs)
+            if self.root_replay is not None:
+                self.root_mode = UnitReplayer(self.root_replay)
+            try:
+                with (_active(self), _forked_rng(self.rng_root),
+                      self.root_mode or contextlib.nullcontext()):
+                    out = _call(root, self.params_for(root, self.root_values), args, kwargs)
+            finally:
+                self.root_mode = None
             return _float_outputs(out, outputs_float)
 
         _, vjp_fn = torch.func.vjp(recompute, root_train, unit_train, float_args)
         g_root, g_units, g_args = vjp_fn(cotangents)
         self.drop_prefetched()
         self.root_values, self.overrides, self.root_plain, self.saved = {}, {}, {}, []
+        self.root_replay = None
         del vjp_fn, full, root_train
-        root_reduce = _Reduce(model, root, dict(g_root))
+        root_reduce = self.reduce(root, dict(g_root))
         for pending in self.reducing.values():  # the first call's, and any left unclaimed
             for name, grad in pending.wait().items():
                 g_units[name] = g_units[name] + grad
         self.reducing.clear()
         reduced = root_reduce.wait()
         trainable = model._trainable_set
-        leaf_grads = [(reduced[n] if n in reduced else g_units[n]) if n in trainable else None
+        leaf_grads = [(reduced[n] if n in reduced else g_units.get(n)) if n in trainable else None
                       for n in model.names]
         return (*leaf_grads, *[g_args.get(i) for i in range(len(arg_tensors))])
 
@@ -860,7 +1094,7 @@ class _Step:
             self.kept_uses[unit.index] -= 1
             if not self.kept_uses[unit.index]:
                 del self.kept[unit.index]
-        values = {**self.shards, **self.root_plain, **full}
+        values = {**self.local, **self.root_plain, **full}
         train = {n: values[n] for n in unit.grad_inputs}
         later = self.later_names(position)
         n_inputs = len(unit.grad_inputs) + len(later)
@@ -868,18 +1102,22 @@ class _Step:
                       if t.is_floating_point() and needs_grad[n_inputs + i]}
         cotangents = tuple(g for g, f in zip(grads, outputs_float, strict=True) if f)
 
+        saved = self.saved[position]
+
         def recompute(train, float_args):
             args, kwargs = arg_spec.build([float_args.get(i, t) for i, t in enumerate(arg_tensors)])
-            with _forked_rng(self.saved[position].rng_before):
+            replayer = UnitReplayer(saved.replay) if saved.replay is not None else None
+            with _forked_rng(saved.rng_before), replayer or contextlib.nullcontext():
                 out = _call(unit, self.params_for(unit, full, train), args, kwargs)
             return _float_outputs(out, outputs_float)
 
         _, vjp_fn = torch.func.vjp(recompute, train, float_args)
+        saved.replay = None  # the recompute has what it needs
         g_train, g_args = vjp_fn(cotangents)
         del vjp_fn
         full = values = train = None  # noqa: F841 - the unit's full parameters go here
         external = {n: g_train.pop(n).detach() for n in unit.external if n in g_train}
-        reduce = _Reduce(self.model, unit, g_train)
+        reduce = self.reduce(unit, g_train)
         # the next call's reduction, issued in its backward (which ran just before this one)
         later_grads: Params = {}
         if later:
