@@ -1,4 +1,4 @@
-"""Data-parallel and ZeRO-1/2 step time and memory: shardfn against torch and FairScale.
+"""Data-parallel, ZeRO-1/2 and ZeRO-3 step time and memory: shardfn against torch and FairScale.
 
 Every system trains the same model (same initial weights, same batches, AdamW)
 on N local CPU ranks (gloo, one thread per rank); all are measured in one run,
@@ -7,10 +7,12 @@ to torch DDP, params+grads+optimizer-state bytes per rank, bytes sent per rank
 per step (shardfn systems, from ``sf.comm_stats()``) and the largest relative
 difference of the final parameters from DDP's.
 
-Run (about 2 minutes on 2 idle cores):
+Run (about 2.5 minutes on 2 idle cores):
     .venv/bin/python benchmarks/bench_dp.py
     .venv/bin/python benchmarks/bench_dp.py --quick                 # tiny model, smoke test
     .venv/bin/python benchmarks/bench_dp.py --systems ddp sf-zero1  # a subset
+    .venv/bin/python benchmarks/bench_dp.py --breakdown             # phases of the DP/ZeRO steps
+    .venv/bin/python benchmarks/bench_dp.py --breakdown-zero3       # what a shard_params step costs
 
 Adding a row: write ``setup(ctx) -> System`` and decorate it with
 ``@SYSTEMS.register(key, label)``; see :mod:`_common`.
@@ -243,10 +245,13 @@ def _tree_memory(params, grads, state) -> dict[str, int]:
     }
 
 
-def _pure_step_system(ctx: Context, reduce, opt, *, grads_kept=None) -> System:
+def _pure_step_system(ctx: Context, reduce, opt, *, donate: bool = False,
+                      grads_kept=None) -> System:
     """A torch.func step: grad_and_value, ``reduce`` (grads -> grads), ``opt``, apply_updates.
 
-    ``grads_kept(grads) -> bytes`` overrides how the gradient memory is counted.
+    ``donate``: ``apply_updates(..., donate=True)`` (the optimizer and ``reduce`` are built
+    donating by the caller). ``grads_kept(grads) -> bytes`` overrides how the gradient
+    memory is counted.
     """
     import shardfn as sf
 
@@ -265,7 +270,7 @@ def _pure_step_system(ctx: Context, reduce, opt, *, grads_kept=None) -> System:
         grads, _ = grad_and_value(params, x, y)
         grads = reduce(grads)
         updates, holder["state"] = opt.update(grads, holder["state"], params)
-        holder["params"] = sf.optim.apply_updates(params, updates)
+        holder["params"] = sf.optim.apply_updates(params, updates, donate=donate)
         holder["grads"] = grads
 
     def memory() -> dict[str, int]:
@@ -277,30 +282,25 @@ def _pure_step_system(ctx: Context, reduce, opt, *, grads_kept=None) -> System:
     return System(step, memory, lambda: holder["params"], counts_comm=True)
 
 
-def _adamw(ctx: Context):
+def _adamw(ctx: Context, donate: bool = False):
     import shardfn as sf
 
-    return sf.optim.adamw(ctx.cfg.lr, weight_decay=ctx.cfg.weight_decay)
+    opt = sf.optim.adamw(ctx.cfg.lr, weight_decay=ctx.cfg.weight_decay)
+    return sf.optim.donating(opt) if donate else opt
 
 
-@SYSTEMS.register("sf-dp", "shardfn data_parallel (torch.func)")
-def setup_sf_dp(ctx: Context) -> System:
-    import shardfn as sf
+def _autograd_step_system(ctx: Context, sync_of, opt, reduced_memory) -> System:
+    """An autograd step: leaf tensors, ``loss.backward()`` inside ``sync_of(params)``,
+    ``opt.update(sync.grads(), ...)``, ``apply_updates(..., donate=True)``.
 
-    dp = sf.data_parallel(ctx.mesh, "dp")
-    return _pure_step_system(ctx, dp.reduce_grads, _adamw(ctx))
-
-
-@SYSTEMS.register("sf-dp-overlap", "shardfn data_parallel (autograd overlap)")
-def setup_sf_dp_overlap(ctx: Context) -> System:
+    ``reduced_memory(params leaves, reduced grads) -> bytes`` counts the gradient memory.
+    """
     import shardfn as sf
 
     model = sf.functional(ctx.make_module())
-    opt = _adamw(ctx)
     params = {k: v.requires_grad_() for k, v in ctx.initial_params().items()}
     leaves = sf.pytree.tree_leaves(params)
-    dp = sf.data_parallel(ctx.mesh, "dp")
-    sync_params = dp.overlap(params)
+    sync_params = sync_of(params)
     holder = {"state": opt.init(params), "grads": None}
 
     def step(i: int) -> None:
@@ -309,40 +309,163 @@ def setup_sf_dp_overlap(ctx: Context) -> System:
             p.grad = None
         with sync_params as sync:
             loss_of(model.apply(params, x), y).backward()
-            grads = sync.grads()
+        grads = sync.grads()
         with torch.no_grad():
             updates, holder["state"] = opt.update(grads, holder["state"], params)
-            torch._foreach_add_(leaves, sf.pytree.tree_leaves(updates))
+        sf.optim.apply_updates(params, updates, donate=True)
         holder["grads"] = grads
 
     def memory() -> dict[str, int]:
-        # both the .grad fields autograd wrote and the averaged tree sync.grads() returned
-        grads = [p.grad for p in leaves] + sf.pytree.tree_leaves(holder["grads"])
-        return {"params": storage_bytes(leaves), "grads": storage_bytes(grads),
+        return {"params": storage_bytes(leaves), "grads": reduced_memory(leaves, holder["grads"]),
                 "opt_state": storage_bytes(sf.pytree.tree_leaves(holder["state"]))}
 
     return System(step, memory, lambda: {k: v.detach() for k, v in params.items()},
                   counts_comm=True)
 
 
-@SYSTEMS.register("sf-zero1", "shardfn ZeRO-1 (shard_opt_state)")
+@SYSTEMS.register("sf-dp", "shardfn data_parallel (torch.func, donated)")
+def setup_sf_dp(ctx: Context) -> System:
+    import shardfn as sf
+
+    dp = sf.data_parallel(ctx.mesh, "dp", donate=True)
+    return _pure_step_system(ctx, dp.reduce_grads, _adamw(ctx, donate=True), donate=True)
+
+
+@SYSTEMS.register("sf-dp-pure", "shardfn data_parallel (torch.func, no donation)")
+def setup_sf_dp_pure(ctx: Context) -> System:
+    import shardfn as sf
+
+    dp = sf.data_parallel(ctx.mesh, "dp")
+    return _pure_step_system(ctx, dp.reduce_grads, _adamw(ctx))
+
+
+@SYSTEMS.register("sf-dp-overlap", "shardfn data_parallel (autograd overlap, donated)")
+def setup_sf_dp_overlap(ctx: Context) -> System:
+    import shardfn as sf
+
+    dp = sf.data_parallel(ctx.mesh, "dp")
+    # sync.grads() are the .grad tensors, averaged in place: count them once
+    return _autograd_step_system(ctx, dp.overlap, _adamw(ctx, donate=True),
+                                 lambda leaves, grads: storage_bytes(p.grad for p in leaves))
+
+
+@SYSTEMS.register("sf-zero1", "shardfn ZeRO-1 (torch.func, donated)")
 def setup_sf_zero1(ctx: Context) -> System:
+    import shardfn as sf
+
+    opt = sf.shard_opt_state(_adamw(ctx), ctx.mesh, "dp", donate=True)
+    return _pure_step_system(ctx, lambda grads: grads, opt, donate=True)
+
+
+@SYSTEMS.register("sf-zero1-pure", "shardfn ZeRO-1 (torch.func, no donation)")
+def setup_sf_zero1_pure(ctx: Context) -> System:
     import shardfn as sf
 
     opt = sf.shard_opt_state(_adamw(ctx), ctx.mesh, "dp")
     return _pure_step_system(ctx, lambda grads: grads, opt)
 
 
-@SYSTEMS.register("sf-zero2", "shardfn ZeRO-2 (shard_grads=True)")
+@SYSTEMS.register("sf-zero1-overlap", "shardfn ZeRO-1 (autograd overlap, donated)")
+def setup_sf_zero1_overlap(ctx: Context) -> System:
+    import shardfn as sf
+
+    opt = sf.shard_opt_state(_adamw(ctx), ctx.mesh, "dp", donate=True)
+
+    def reduced_memory(leaves, reduced) -> int:  # ZeRO-1 keeps .grad, plus the reduced part
+        return storage_bytes([p.grad for p in leaves] + sf.pytree.tree_leaves(reduced.local))
+
+    return _autograd_step_system(ctx, opt.overlap, opt, reduced_memory)
+
+
+@SYSTEMS.register("sf-zero2", "shardfn ZeRO-2 (autograd overlap, donated)")
 def setup_sf_zero2(ctx: Context) -> System:
     import shardfn as sf
 
-    opt = sf.shard_opt_state(_adamw(ctx), ctx.mesh, "dp", shard_grads=True)
-    part = opt.partition(ctx.initial_params())
-    itemsize = torch.empty((), dtype=part.dtype).element_size()
-    # counted: the reduce-scattered gradient chunk this rank owns (padding included)
-    return _pure_step_system(ctx, lambda grads: grads, opt,
-                             grads_kept=lambda grads: part.chunk * itemsize)
+    opt = sf.shard_opt_state(_adamw(ctx), ctx.mesh, "dp", shard_grads=True, donate=True)
+
+    def reduced_memory(leaves, reduced) -> int:  # .grad are all freed; the reduced part stays
+        return storage_bytes([p.grad for p in leaves] + sf.pytree.tree_leaves(reduced.local))
+
+    return _autograd_step_system(ctx, opt.overlap, opt, reduced_memory)
+
+
+@SYSTEMS.register("sf-shard-params", "shardfn shard_params (ZeRO-3, torch.func, donated)")
+def setup_sf_shard_params(ctx: Context) -> System:
+    return _shard_params_system(ctx)
+
+
+def _shard_params_system(ctx: Context, **options) -> System:
+    """ZeRO-3: shard_params per Block, AdamW on the shards, a torch.func step (donated)."""
+    import shardfn as sf
+
+    model = sf.shard_params(sf.functional(ctx.make_module()), ctx.mesh, "dp", units=Block,
+                            **options)
+    opt = _adamw(ctx, donate=True)
+    holder = {"shards": model.shard(ctx.initial_params()), "grads": None}
+    holder["state"] = opt.init(holder["shards"])
+    grad_and_value = torch.func.grad_and_value(
+        lambda shards, x, y: loss_of(model.apply(shards, x), y))
+
+    def step(i: int) -> None:
+        x, y = ctx.batch(i)
+        shards = holder["shards"]
+        grads, _ = grad_and_value(shards, x, y)  # shard gradients, already reduce-scattered
+        updates, holder["state"] = opt.update(grads, holder["state"], shards)
+        holder["shards"] = sf.optim.apply_updates(shards, updates, donate=True)
+        holder["grads"] = grads
+
+    def params() -> dict[str, torch.Tensor]:
+        return sf.gather(holder["shards"], model.specs, ctx.mesh)
+
+    return System(step, lambda: _tree_memory(holder["shards"], holder["grads"], holder["state"]),
+                  params, counts_comm=True)
+
+
+@SYSTEMS.register("sf-shard-params-saveall",
+                  "shardfn shard_params, remat=everything_saveable (no recompute)", default=False)
+def setup_sf_shard_params_saveall(ctx: Context) -> System:
+    """shard_params keeping every activation (no unit recompute in backward): more activation
+    memory (not counted in the table), one forward fewer."""
+    import shardfn as sf
+
+    return _shard_params_system(ctx, remat=sf.checkpoint_policies.everything_saveable)
+
+
+@SYSTEMS.register("fsdp2", "torch FSDP2 fully_shard per block")
+def setup_fsdp2(ctx: Context) -> System:
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    # FSDP2 warns that the root's output is a view (of the last Linear's output); the step
+    # makes no in-place op on it, as the correctness column confirms
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+    module = ctx.make_module()
+    for block in module.blocks:
+        fully_shard(block)
+    fully_shard(module)
+    opt = torch.optim.AdamW(module.parameters(), lr=ctx.cfg.lr,
+                            weight_decay=ctx.cfg.weight_decay, foreach=True)
+
+    def step(i: int) -> None:
+        x, y = ctx.batch(i)
+        opt.zero_grad(set_to_none=True)
+        loss_of(module(x), y).backward()
+        opt.step()
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def memory() -> dict[str, int]:
+        params = list(module.parameters())
+        return {"params": storage_bytes(local(p) for p in params),
+                "grads": storage_bytes(local(p.grad) for p in params if p.grad is not None),
+                "opt_state": storage_bytes(local(t) for t in _state_tensors(opt.state))}
+
+    def params() -> dict[str, torch.Tensor]:
+        return {name: p.full_tensor().detach() for name, p in module.named_parameters()}
+
+    return System(step, memory, params)
 
 
 @SYSTEMS.register("broken-no-reduce", "check: shardfn without gradient averaging (wrong)",
@@ -356,14 +479,15 @@ def setup_broken(ctx: Context) -> System:
 
 
 def rank_breakdown(args: argparse.Namespace) -> list[tuple[str, float, int]]:
-    """Time the phases of the shardfn pure steps and their torch counterparts (best of a few).
+    """Time the phases of the shardfn steps and their torch counterparts (best of a few).
 
+    Donated phases run in place on scratch copies (the values drift, the work does not).
     Returns ``(phase, ms, minor page faults in the last repetition)`` per phase.
     """
     import resource
 
     import shardfn as sf
-    from shardfn.primitives import _comm  # the Axis the flat collectives take (internal)
+    from shardfn.transforms.shard_opt_state import _all_gather  # the ZeRO all-gather alone
 
     torch.set_num_threads(1)
     cfg = QUICK if args.quick else Config()
@@ -371,13 +495,15 @@ def rank_breakdown(args: argparse.Namespace) -> list[tuple[str, float, int]]:
     x, y = ctx.batch(0)
     model = sf.functional(ctx.make_module())
     params = ctx.initial_params()
-    opt = _adamw(ctx)
+    opt, opt_donating = _adamw(ctx), _adamw(ctx, donate=True)
     state = opt.init(params)
-    dp = sf.data_parallel(ctx.mesh, "dp")
+    scratch_state = opt.init(params)
+    dp, dp_donating = sf.data_parallel(ctx.mesh, "dp"), sf.data_parallel(ctx.mesh, "dp",
+                                                                           donate=True)
     zero = sf.shard_opt_state(opt, ctx.mesh, "dp")
-    zero_state = zero.init(params)
+    zero_donating = sf.shard_opt_state(opt, ctx.mesh, "dp", donate=True)
+    zero_state, zero_scratch_state = zero.init(params), zero.init(params)
     part = zero.partition(params)
-    ax = _comm.resolve("dp", ctx.mesh)
     grad_and_value = torch.func.grad_and_value(lambda p, x, y: loss_of(model.apply(p, x), y))
     module = ctx.make_module()
     torch_opt = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -389,33 +515,46 @@ def rank_breakdown(args: argparse.Namespace) -> list[tuple[str, float, int]]:
 
     torch_fwd_bwd()
     grads, _ = grad_and_value(params, x, y)
+    scratch = sf.pytree.tree_map(torch.clone, grads)
+    scratch_params = sf.pytree.tree_map(torch.clone, params)
     averaged = dp.reduce_grads(grads)
     updates, _ = opt.update(averaged, state, params)
-    flat = part.flatten(grads)
-    chunk = part.reduce_scatter(flat, ax)
-    local_grads, local_params = part.unflatten_local(chunk), part.local(params)
+    local_grads = zero.reduce_grads(grads, params)
+    local_params = part.local(params)
     local_updates, _ = opt.update(local_grads, zero_state.inner, local_params)
-    local_flat = part.flatten_local(local_updates)
-    gathered = part.all_gather(local_flat, ax)
+    param_leaves = sf.pytree.tree_leaves(params)
     plain = torch.cat([g.reshape(-1) for g in sf.pytree.tree_leaves(grads)])
+
+    def zero_own_update_donated():
+        with sf.optim.donated(updates=True, state=True):
+            return opt.update(local_grads, zero_scratch_state.inner, local_params)
+
     phases = {
         "torch: forward+backward (nn.Module)": torch_fwd_bwd,
         "torch: AdamW.step (foreach, in place)": torch_opt.step,
         "torch: dist.all_reduce in place (one flat)": lambda: dist.all_reduce(plain),
         "shardfn: torch.func.grad_and_value": lambda: grad_and_value(params, x, y),
         "shardfn: data_parallel.reduce_grads": lambda: dp.reduce_grads(grads),
+        "shardfn: data_parallel.reduce_grads (donated)": lambda: dp_donating.reduce_grads(scratch),
         "shardfn: adamw update (full tree)": lambda: opt.update(averaged, state, params),
+        "shardfn: adamw update (full tree, donated)":
+            lambda: opt_donating.update(scratch, scratch_state, params),
         "shardfn: apply_updates": lambda: sf.optim.apply_updates(params, updates),
+        "shardfn: apply_updates (donated)":
+            lambda: sf.optim.apply_updates(scratch_params, updates, donate=True),
         "shardfn: shard_opt_state update (total)": lambda: zero.update(grads, zero_state, params),
-        "  ZeRO: FlatPartition.flatten(grads)": lambda: part.flatten(grads),
-        "  ZeRO: reduce_scatter (buckets)": lambda: part.reduce_scatter(flat, ax),
-        "  ZeRO: unflatten_local + local(params)": lambda: (part.unflatten_local(chunk),
-                                                           part.local(params)),
+        "shardfn: shard_opt_state update (total, donated)":
+            lambda: zero_donating.update(scratch, zero_scratch_state, params),
+        "  ZeRO: reduce-scatter (reduce_grads)": lambda: zero.reduce_grads(grads, params),
         "  ZeRO: adamw update (own part)": lambda: opt.update(local_grads, zero_state.inner,
                                                               local_params),
-        "  ZeRO: flatten_local(updates)": lambda: part.flatten_local(local_updates),
-        "  ZeRO: all_gather (buckets)": lambda: part.all_gather(local_flat, ax),
-        "  ZeRO: unflatten(gathered)": lambda: part.unflatten(gathered),
+        "  ZeRO: adamw update (own part, donated)": zero_own_update_donated,
+        "  ZeRO: all-gather of the updates (new tensors)":
+            lambda: _all_gather(part, sf.pytree.tree_leaves(local_updates), param_leaves,
+                                ctx_axis(ctx), None),
+        "  ZeRO: all-gather of the updates (into donated)":
+            lambda: _all_gather(part, sf.pytree.tree_leaves(local_updates), param_leaves,
+                                ctx_axis(ctx), sf.pytree.tree_leaves(scratch)),
     }
     best = dict.fromkeys(phases, float("inf"))
     faults = dict.fromkeys(phases, 0)
@@ -429,6 +568,81 @@ def rank_breakdown(args: argparse.Namespace) -> list[tuple[str, float, int]]:
             best[name] = min(best[name], time.perf_counter() - t0)
             faults[name] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     return [(name, best[name] * 1e3, faults[name]) for name in phases]
+
+
+def rank_breakdown_zero3(args: argparse.Namespace) -> list[tuple[str, float, int]]:
+    """Time what a shard_params (ZeRO-3) step is made of, against the unsharded step.
+
+    Returns ``(phase, ms, minor page faults in the last repetition)`` per phase.
+    """
+    import resource
+
+    import shardfn as sf
+
+    torch.set_num_threads(1)
+    cfg = QUICK if args.quick else Config()
+    ctx = Context(cfg, 1)
+    x, y = ctx.batch(0)
+    ax = ctx_axis(ctx)
+    fmodel = sf.functional(ctx.make_module())
+    params = ctx.initial_params()
+    variants = {
+        "default": {},
+        "reshard_after_forward=False": {"reshard_after_forward": False},
+        "remat=everything_saveable": {"remat": sf.checkpoint_policies.everything_saveable},
+        "prefetch=0": {"prefetch": 0},
+    }
+    models = {k: sf.shard_params(fmodel, ctx.mesh, "dp", units=Block, **kw)
+              for k, kw in variants.items()}
+    shards = models["default"].shard(params)
+
+    def grad_of(model):
+        g = torch.func.grad_and_value(lambda s, x, y: loss_of(model.apply(s, x), y))
+        return lambda: g(shards, x, y)
+
+    plain = torch.func.grad_and_value(lambda p, x, y: loss_of(fmodel.apply(p, x), y))
+    block = {k: v for k, v in params.items() if k.startswith("blocks.0.")}
+    unit_flat = torch.cat([v.reshape(-1) for v in block.values()])
+    unit_shard = unit_flat[: unit_flat.numel() // ax.size].clone()
+    ops = getattr(torch, "ops")._c10d_functional  # noqa: B009 - cloudpickle by value chokes on torch.ops
+    phases = {
+        "unsharded: torch.func.grad_and_value": lambda: plain(params, x, y),
+        "unsharded: forward only (no grad)": lambda: _no_grad(fmodel.apply, params, x),
+        **{f"shard_params {k}: grad_and_value": grad_of(m) for k, m in models.items()},
+        "shard_params default: forward only (no grad)":
+            lambda: _no_grad(models["default"].apply, shards, x),
+        "one unit (2.1M params): all_gather_into_tensor (functional)":
+            lambda: ops.wait_tensor(ops.all_gather_into_tensor(unit_shard, ax.size,
+                                                               ax.group_name)),
+        "one unit: reduce_scatter_tensor (functional)":
+            lambda: ops.wait_tensor(ops.reduce_scatter_tensor(unit_flat, "sum", ax.size,
+                                                              ax.group_name)),
+        "one unit: dist.all_reduce in place (for scale)": lambda: dist.all_reduce(unit_flat),
+    }
+    best = dict.fromkeys(phases, float("inf"))
+    faults = dict.fromkeys(phases, 0)
+    for _ in range(args.warmup + args.steps):
+        for name, fn in phases.items():
+            dist.barrier()
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t0 = time.perf_counter()
+            fn()
+            dist.barrier()
+            best[name] = min(best[name], time.perf_counter() - t0)
+            faults[name] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    return [(name, best[name] * 1e3, faults[name]) for name in phases]
+
+
+def _no_grad(fn, *args):
+    with torch.no_grad():
+        return fn(*args)
+
+
+def ctx_axis(ctx: Context):
+    """The resolved "dp" axis (what the internal collectives take)."""
+    from shardfn.primitives import _comm
+
+    return _comm.resolve("dp", ctx.mesh)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -458,6 +672,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--breakdown", action="store_true",
                         help="instead of the table, time the phases of the shardfn steps "
                              "(best of --warmup + --steps repetitions)")
+    parser.add_argument("--breakdown-zero3", action="store_true",
+                        help="instead of the table, time what a shard_params step is made of")
     parser.add_argument("--malloc-cache", action="store_true",
                         help="start the ranks with glibc malloc keeping freed memory (no mmap, "
                              "no trim), so fresh large tensors do not page-fault")
@@ -481,9 +697,10 @@ def main(argv: list[str] | None = None) -> None:
           f"AdamW(lr={cfg.lr}, wd={cfg.weight_decay}); {args.ranks} ranks, "
           f"{args.warmup}+{args.steps} steps per system, interleaved; malloc: "
           f"{malloc or 'glibc defaults'}", flush=True)
-    if args.breakdown:
+    if args.breakdown or args.breakdown_zero3:
+        fn = rank_breakdown if args.breakdown else rank_breakdown_zero3
         with local_world(args.ranks, timeout=600.0) as world:
-            rows = world.run(rank_breakdown, args)[0]
+            rows = world.run(fn, args)[0]
         print("\n| phase (rank 0, best of the repetitions) | ms | minor page faults |")
         print("|---|---:|---:|")
         for name, ms, faults in rows:

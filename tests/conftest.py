@@ -13,7 +13,10 @@ from shardfn.testing import LocalWorld
 
 # Distributed examples are slow and their timing varies: no deadline, few examples.
 # HYPOTHESIS_PROFILE=dev runs more examples locally; "ci" prints the blob to reproduce.
-settings.register_profile("ci", max_examples=10, deadline=None, print_blob=True)
+# "ci" is derandomized: CI runs the same examples every time, so a red run is
+# reproducible and a green one is not luck; "dev" explores new examples on each run.
+settings.register_profile("ci", max_examples=10, deadline=None, print_blob=True,
+                          derandomize=True)
 settings.register_profile("dev", max_examples=25, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

@@ -2,8 +2,9 @@
 
 The update rules follow torch.optim's arithmetic op for op (SGD, Adam, AdamW),
 run over the flat leaf list with ``torch._foreach_*`` kernels, and never mutate
-their inputs. States are NamedTuples of tensors, so they save, shard and gather
-like parameters. See docs/optim.md.
+their inputs unless asked to (``donating(opt)``, ``apply_updates(..., donate=True)``:
+the inputs are dead after the call and are overwritten in place). States are
+NamedTuples of tensors, so they save, shard and gather like parameters. See docs/optim.md.
 
 Example:
     >>> import shardfn as sf
@@ -29,6 +30,7 @@ from shardfn.optim.base import (
     set_to_zero,
 )
 from shardfn.optim.clipping import clip_by_global_norm, global_norm, sharded_over
+from shardfn.optim.donation import Donation, donated, donating
 from shardfn.optim.masking import MaskedState, MultiTransformState, masked, multi_transform
 from shardfn.optim.schedules import (
     constant,
@@ -47,6 +49,7 @@ __all__ = [
     "MaskedState",
     "MultiTransformState",
     "ScalarOrSchedule",
+    "Donation",
     "ScaleByScheduleState",
     "Schedule",
     "SgdState",
@@ -57,6 +60,8 @@ __all__ = [
     "clip_by_global_norm",
     "constant",
     "cosine_decay",
+    "donated",
+    "donating",
     "global_norm",
     "identity",
     "join",

@@ -8,13 +8,19 @@ The arithmetic is torch.optim's, op for op, over the flat leaf list with
     v = b2 * v + (1 - b2) * g * g
     step_size = lr / (1 - b1**t)                Python doubles, like torch
     denom = sqrt(v) / sqrt(1 - b2**t) + eps
-    update = (-step_size * m) / denom
-    update += p * (1 - lr * weight_decay) - p   AdamW's decoupled decay (adamw only)
+    update = (-step_size * m) / denom           no decoupled decay
+    update = addcdiv(p * (1 - lr * wd), m, denom, -step_size) - p    AdamW's decay
 
-``p * (1 - lr * wd) - p`` is exact in float32 (Sterbenz), so
-``apply_updates(params, update)`` reproduces torch's ``p.mul_(1 - lr * wd)``
-followed by ``p.addcdiv_(m, denom, value=-step_size)`` to within one rounding.
+The last line is torch's own in-place sequence (``p.mul_(1 - lr * wd)`` then
+``p.addcdiv_(m, denom, value=-step_size)``) run on a copy of ``p``; the new
+value is within a factor 2 of ``p`` for all but entries crossing zero, where
+the subtraction is exact (Sterbenz), so ``apply_updates(params, update)``
+reproduces torch's parameters bit for bit there, and to within one rounding
+elsewhere.
 Memory: two buffers per parameter (``mu``, ``nu``) in the parameter's dtype.
+Under donation (:func:`~shardfn.optim.donating`) the moments are updated in
+place and the updates are written into the gradients: the same arithmetic,
+bitwise the same results, no per-step allocation of state-sized buffers.
 Not supported: amsgrad, maximize, complex parameters.
 """
 
@@ -33,6 +39,7 @@ from shardfn.optim.base import (
     resolve_scalar,
     zero_count,
 )
+from shardfn.optim.donation import current_donation, same_dtypes, writable_in_place
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -143,23 +150,56 @@ def _adam(name, learning_rate, b1, b2, eps, weight_decay, *, decoupled, mask):
         t = int(state.count) + 1
         step_size = lr / (1 - b1**t)
         bias_correction2_sqrt = (1 - b2**t) ** 0.5
+        donation = current_donation()
+        # donated: moments updated in place (as torch.optim does), updates written into the
+        # gradients once the moments no longer need them; the arithmetic is the same
+        moments_in_place = donation.state and writable_in_place([*mus, *nus, *grads])
+        updates_in_place = donation.updates and writable_in_place(grads) and \
+            same_dtypes(grads, mus)
 
         def step(gs, ms, vs, ps, ds):
             if weight_decay != 0 and not decoupled:
-                gs = torch._foreach_add(gs, ps, alpha=weight_decay)
-            ms = torch._foreach_lerp(ms, gs, 1 - b1)
-            vs = torch._foreach_mul(vs, b2)
+                if updates_in_place:
+                    torch._foreach_add_(gs, ps, alpha=weight_decay)
+                else:
+                    gs = torch._foreach_add(gs, ps, alpha=weight_decay)
+            if moments_in_place:
+                torch._foreach_lerp_(ms, gs, 1 - b1)
+                torch._foreach_mul_(vs, b2)
+            else:
+                ms = torch._foreach_lerp(ms, gs, 1 - b1)
+                vs = torch._foreach_mul(vs, b2)
             torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
             denom = torch._foreach_sqrt(vs)
             torch._foreach_div_(denom, bias_correction2_sqrt)
             torch._foreach_add_(denom, eps)
-            us = torch._foreach_mul(ms, -step_size)
-            torch._foreach_div_(us, denom)
-            if ds is not None and any(ds):
-                decayed = [p for p, d in zip(ps, ds, strict=True) if d]
-                shrink = torch._foreach_mul(decayed, 1 - lr * weight_decay)
-                torch._foreach_sub_(shrink, decayed)
-                torch._foreach_add_([u for u, d in zip(us, ds, strict=True) if d], shrink)
+            flags = ds if ds is not None else [False] * len(gs)
+            us = list(gs) if updates_in_place else [None] * len(gs)
+            plain = [i for i, d in enumerate(flags) if not d]
+            if plain:  # update = (-step_size * m) / denom, the term torch's addcdiv_ adds
+                if updates_in_place:
+                    for i in plain:
+                        torch.mul(ms[i], -step_size, out=us[i])
+                    plain_us = [us[i] for i in plain]
+                else:
+                    plain_us = torch._foreach_mul([ms[i] for i in plain], -step_size)
+                torch._foreach_div_(plain_us, [denom[i] for i in plain])
+                for i, u in zip(plain, plain_us, strict=True):
+                    us[i] = u
+            decayed = [i for i, d in enumerate(flags) if d]
+            if decayed:  # torch's p.mul_(1 - lr * wd).addcdiv_(m, denom, -step_size) on a copy
+                dps = [ps[i] for i in decayed]
+                if updates_in_place:
+                    for i in decayed:
+                        torch.mul(ps[i], 1 - lr * weight_decay, out=us[i])
+                    qs = [us[i] for i in decayed]
+                else:
+                    qs = torch._foreach_mul(dps, 1 - lr * weight_decay)
+                torch._foreach_addcdiv_(qs, [ms[i] for i in decayed], [denom[i] for i in decayed],
+                                        value=-step_size)
+                torch._foreach_sub_(qs, dps)  # update = new p - p
+                for i, q in zip(decayed, qs, strict=True):
+                    us[i] = q
             return us, ms, vs
 
         new_updates, new_mu, new_nu = foreach_groups(step, [grads, mus, nus, param_leaves, decays],

@@ -28,6 +28,7 @@ import torch
 
 from shardfn import pytree
 from shardfn.optim._tree import flatten_tensors, foreach_groups, leaves_like
+from shardfn.optim.donation import current_donation, writable_in_place
 
 PyTree = Any
 Schedule = Callable[[torch.Tensor], float | torch.Tensor]
@@ -122,7 +123,7 @@ def check_scalar(
         raise ValueError(f"{name} must be {bound}, got {value}")
 
 
-def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+def apply_updates(params: PyTree, updates: PyTree, *, donate: bool = False) -> PyTree:
     """Add ``updates`` to ``params`` leaf by leaf (a new tree; inputs are not mutated).
 
     Each result keeps its parameter's dtype (a float32 update on bf16 params
@@ -131,6 +132,11 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     Args:
         params: the parameter tree.
         updates: a tree of the same structure and leaf shapes.
+        donate: ``params`` are dead after the call: add in place into them (under
+            ``torch.no_grad``, so leaf tensors that require grad work too) and return
+            the same tensors. Falls back to a new tree when a parameter cannot be
+            written safely (two leaves sharing memory, a ``torch.func``-wrapped tensor).
+            Bitwise the same values either way.
 
     Returns:
         The new parameter tree.
@@ -146,6 +152,14 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     update_leaves = leaves_like(
         updates, params, treedef, param_leaves, what="params", other_what="updates"
     )
+    if donate and writable_in_place(param_leaves, allow_requires_grad=True):
+        def add_(ps, us):
+            torch._foreach_add_(ps, us)
+            return (ps,)
+
+        with torch.no_grad():
+            foreach_groups(add_, [param_leaves, update_leaves], 1)
+        return params
 
     def add(ps, us):
         return ([r.to(p.dtype) for r, p in zip(torch._foreach_add(ps, us), ps, strict=True)],)
@@ -214,6 +228,10 @@ def set_to_zero() -> GradientTransformation:
         return EmptyState()
 
     def update(updates, state, params=None):
+        leaves, treedef = flatten_tensors(updates, "updates")
+        if leaves and current_donation().updates and writable_in_place(leaves):
+            torch._foreach_zero_(leaves)
+            return updates, state
         return pytree.tree_map(torch.zeros_like, updates), state
 
     return GradientTransformation(init, update)
@@ -233,8 +251,7 @@ def scale(factor: float) -> GradientTransformation:
 
     def update(updates, state, params=None):
         leaves, treedef = flatten_tensors(updates, "updates")
-        (new,) = foreach_groups(lambda us: (torch._foreach_mul(us, factor),), [leaves], 1)
-        return pytree.tree_unflatten(treedef, new), state
+        return pytree.tree_unflatten(treedef, _scaled(leaves, factor)), state
 
     return GradientTransformation(init, update)
 
@@ -261,7 +278,18 @@ def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
     def update(updates, state, params=None):
         factor = resolve_scalar(schedule, state.count)
         leaves, treedef = flatten_tensors(updates, "updates")
-        (new,) = foreach_groups(lambda us: (torch._foreach_mul(us, factor),), [leaves], 1)
+        new = _scaled(leaves, factor)
         return pytree.tree_unflatten(treedef, new), ScaleByScheduleState(state.count + 1)
 
     return GradientTransformation(init, update)
+
+
+def _scaled(leaves: list[torch.Tensor], factor: Any) -> list[torch.Tensor]:
+    """``leaves * factor``: in place when the updates are donated, else new tensors."""
+    if leaves and current_donation().updates and writable_in_place(leaves):
+        def scale_(us):
+            torch._foreach_mul_(us, factor)
+            return (us,)
+
+        return foreach_groups(scale_, [leaves], 1)[0]
+    return foreach_groups(lambda us: (torch._foreach_mul(us, factor),), [leaves], 1)[0]

@@ -26,6 +26,7 @@ import torch
 from shardfn import pytree
 from shardfn.optim._tree import flatten_tensors, foreach_groups, per_leaf
 from shardfn.optim.base import EmptyState, GradientTransformation, check_scalar
+from shardfn.optim.donation import current_donation, writable_in_place
 
 __all__ = ["clip_by_global_norm", "global_norm", "sharded_over"]
 
@@ -155,8 +156,12 @@ def clip_by_global_norm(max_norm: float, specs: PyTree = None,
         if not leaves:
             return updates, state
         clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        in_place = current_donation().updates and writable_in_place(leaves)
 
         def clip(gs):
+            if in_place:  # donated updates: scale them where they are
+                torch._foreach_mul_(gs, clip_coef.to(gs[0].device))
+                return (gs,)
             return (torch._foreach_mul(gs, clip_coef.to(gs[0].device)),)
 
         (clipped,) = foreach_groups(clip, [leaves], 1)

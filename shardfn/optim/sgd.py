@@ -29,6 +29,7 @@ from shardfn.optim.base import (
     resolve_scalar,
     zero_count,
 )
+from shardfn.optim.donation import current_donation, same_dtypes, writable_in_place
 
 __all__ = ["SgdState", "sgd"]
 
@@ -91,21 +92,45 @@ def sgd(
                                   other_what="sgd state (momentum)")
         lr = resolve_scalar(learning_rate, state.count)
         first_step = int(state.count) == 0
+        donation = current_donation()
+        # donated: momentum buffers updated in place, updates written into the gradients
+        buffers_in_place = momentum != 0 and donation.state and \
+            writable_in_place([*buffers, *grads])
+        updates_in_place = donation.updates and writable_in_place(grads) and \
+            (buffers is None or same_dtypes(grads, buffers))
 
         def step(gs, ps, bufs):
             if weight_decay != 0:
-                gs = torch._foreach_add(gs, ps, alpha=weight_decay)
+                if updates_in_place:
+                    torch._foreach_add_(gs, ps, alpha=weight_decay)
+                else:
+                    gs = torch._foreach_add(gs, ps, alpha=weight_decay)
             new_bufs = []
             if momentum != 0:
-                if first_step:
+                if buffers_in_place:
+                    if first_step:
+                        torch._foreach_copy_(bufs, gs)
+                    else:
+                        torch._foreach_mul_(bufs, momentum)
+                        torch._foreach_add_(bufs, gs, alpha=1 - dampening)
+                    new_bufs = bufs
+                elif first_step:
                     new_bufs = [g.clone() for g in gs]
                 else:
                     new_bufs = torch._foreach_mul(bufs, momentum)
                     torch._foreach_add_(new_bufs, gs, alpha=1 - dampening)
                 if nesterov:
-                    gs = torch._foreach_add(gs, new_bufs, alpha=momentum)
+                    if updates_in_place:
+                        torch._foreach_add_(gs, new_bufs, alpha=momentum)
+                    else:
+                        gs = torch._foreach_add(gs, new_bufs, alpha=momentum)
+                elif updates_in_place:
+                    torch._foreach_copy_(gs, new_bufs)
                 else:
                     gs = new_bufs
+            if updates_in_place:
+                torch._foreach_mul_(gs, -lr)
+                return gs, new_bufs
             return torch._foreach_mul(gs, -lr), new_bufs
 
         new_updates, new_bufs = foreach_groups(step, [grads, param_leaves, buffers], 2)

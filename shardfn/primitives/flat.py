@@ -14,7 +14,23 @@ is the 1-D concatenation of the pieces of that leaf the rank owns (possibly
 empty). Optimizer transforms, masks and labels written for the full tree apply
 unchanged to it.
 
-All buckets' collectives are issued before any is waited on, so they overlap.
+Two ways to move the buckets:
+
+* The ``reduce_scatter`` / ``all_gather`` / ``all_reduce`` methods run the
+  ``_c10d_functional`` collectives on padded flat buffers (:meth:`flatten`
+  copies the tree in, :meth:`unflatten` out); all buckets are issued before any
+  is waited on.
+* The *piece exchange* (:class:`BucketPlan`, :func:`start_reduce_scatter`,
+  :func:`start_all_gather`) moves the same blocks with point-to-point sends and
+  receives that read from and write to the leaves themselves, one message per
+  piece of a leaf inside a block: no flat copy of the tree is ever made, and
+  padding is never sent. This is what ``data_parallel`` and ``shard_opt_state``
+  use. On gloo it is also faster than the collectives (torch 2.13, 2 CPU ranks,
+  65 MiB: reduce-scatter 23 ms against 67 ms for ``reduce_scatter_tensor``,
+  all-gather 13 ms against 40 ms for ``all_gather_into_tensor``), which copy
+  through internal buffers. These calls use plain ``torch.distributed`` and are
+  not differentiable: they are for gradient and optimizer paths outside any
+  autograd graph.
 
 Example:
     >>> part = FlatPartition.of({"w": torch.zeros(3, 2), "b": torch.zeros(3)}, 1, 0)
@@ -25,17 +41,83 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from shardfn import pytree
 from shardfn.primitives import stats
 from shardfn.primitives._comm import Axis
 
-__all__ = ["FlatPartition", "all_reduce_async"]
+__all__ = [
+    "BucketPlan",
+    "Exchange",
+    "FlatPartition",
+    "all_reduce_async",
+    "finish_reduce_scatter",
+    "start_all_gather",
+    "start_reduce_scatter",
+]
+
+Piece = tuple[int, int, int]
+"""``(leaf, lo, hi)``: the flattened elements ``[lo, hi)`` of leaf number ``leaf``."""
 
 _ops = torch.ops._c10d_functional
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlan:
+    """One bucket: segments of leaves laid end to end, split into ``size`` even blocks.
+
+    Block ``j`` (owned by axis index ``j``) is the elements ``[j * block, (j + 1) * block)``
+    of the bucket; the last blocks are short (or empty) when the length is not a
+    multiple of ``size``, which is the padding the flat buffers carry.
+
+    Attributes:
+        size: ranks on the axis ``N``.
+        length: real elements in the bucket.
+        block: elements per block, ``ceil(length / N)`` (at least 1).
+        blocks: ``blocks[j]``: the pieces of leaves block ``j`` covers, in bucket order.
+    """
+
+    size: int
+    length: int
+    block: int
+    blocks: tuple[tuple[Piece, ...], ...]
+
+    @staticmethod
+    def of(segments: Sequence[Piece], size: int) -> BucketPlan:
+        """Plan a bucket made of ``segments`` (in order) over ``size`` ranks.
+
+        Args:
+            segments: ``(leaf, lo, hi)`` ranges laid end to end.
+            size: ranks on the axis.
+
+        Example:
+            >>> BucketPlan.of([(0, 0, 3), (1, 0, 2)], 2).blocks
+            (((0, 0, 3),), ((1, 0, 2),))
+        """
+        length = sum(hi - lo for _, lo, hi in segments)
+        block = max(1, math.ceil(length / size))
+        blocks = []
+        for j in range(size):
+            start, stop = min(j * block, length), min((j + 1) * block, length)
+            pieces, at = [], 0
+            for leaf, lo, hi in segments:
+                a, b = max(start, at), min(stop, at + hi - lo)
+                if a < b:
+                    pieces.append((leaf, lo + a - at, lo + b - at))
+                at += hi - lo
+            blocks.append(tuple(pieces))
+        return BucketPlan(size, length, block, tuple(blocks))
+
+    def nbytes(self, flats: Sequence[torch.Tensor]) -> int:
+        """Bytes of the bucket's real elements, reading the leaves' dtypes from ``flats``."""
+        return sum((hi - lo) * flats[leaf].element_size()
+                   for pieces in self.blocks for leaf, lo, hi in pieces)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +208,46 @@ class FlatPartition:
     def local_numel(self) -> int:
         """Real (unpadded) elements this rank owns."""
         return sum(hi - lo for lo, hi in self.owned())
+
+    # ---- piece geometry (cached) ------------------------------------------------------
+    @functools.cached_property
+    def plans(self) -> tuple[BucketPlan, ...]:
+        """Every bucket's :class:`BucketPlan` (the same blocks as :meth:`owned`)."""
+        sizes = [math.prod(s) for s in self.shapes]
+        plans = []
+        for start, stop in self.buckets:
+            segments = []
+            for leaf, (offset, n) in enumerate(zip(self.offsets, sizes, strict=True)):
+                a, b = max(start, offset), min(stop, offset + n)
+                if a < b:
+                    segments.append((leaf, a - offset, b - offset))
+            plans.append(BucketPlan.of(segments, self.size))
+        return tuple(plans)
+
+    @functools.cached_property
+    def local_sizes(self) -> tuple[int, ...]:
+        """Elements of every leaf's local part (what :meth:`local` returns)."""
+        return tuple(sum(b - a for a, b in ranges) for ranges in self.pieces())
+
+    @functools.cached_property
+    def local_slots(self) -> tuple[tuple[int, ...], ...]:
+        """``local_slots[b][p]``: where this rank's piece ``p`` of bucket ``b`` starts in its
+        leaf's local part."""
+        filled = [0] * len(self.shapes)
+        slots = []
+        for plan in self.plans:
+            mine = []
+            for leaf, lo, hi in plan.blocks[self.index]:
+                mine.append(filled[leaf])
+                filled[leaf] += hi - lo
+            slots.append(tuple(mine))
+        return tuple(slots)
+
+    def local_views(self, local_leaves: Sequence[torch.Tensor], bucket: int) -> list[torch.Tensor]:
+        """Views of this rank's pieces of ``bucket`` inside the local leaves (1-D each)."""
+        plan = self.plans[bucket]
+        return [local_leaves[leaf][at:at + hi - lo] for (leaf, lo, hi), at
+                in zip(plan.blocks[self.index], self.local_slots[bucket], strict=True)]
 
     def local(self, tree):
         """This rank's 1-D part of every leaf of the full ``tree``."""
@@ -218,17 +340,6 @@ class FlatPartition:
             outs = [_ops.wait_tensor(h) for h in handles]
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def reduce_scatter_bucket(self, block: torch.Tensor, ax: Axis) -> torch.Tensor:
-        """Issue the reduce-scatter of one padded bucket; pass the result to :meth:`wait`."""
-        if ax.size == 1:
-            return block.clone()
-        stats.record(ax.key, "psum_scatter", _bytes(block) * (ax.size - 1) / ax.size)
-        return _ops.reduce_scatter_tensor(block.contiguous(), "sum", ax.size, ax.group_name)
-
-    def wait(self, handle: torch.Tensor) -> torch.Tensor:
-        """Wait for a collective issued by this class (a no-op for a 1-rank axis)."""
-        return _ops.wait_tensor(handle) if self.size > 1 else handle
-
     def all_gather(self, chunk: torch.Tensor, ax: Axis) -> torch.Tensor:
         """Gather every rank's chunk into the padded flat vector."""
         if ax.size == 1:
@@ -279,3 +390,138 @@ def _bytes(x: torch.Tensor) -> int:
 
 def _device(leaves) -> torch.device:
     return leaves[0].device if leaves else torch.device("cpu")
+
+
+# ---- piece exchange: p2p collectives that read and write the leaves in place ------------
+
+
+class Exchange:
+    """The sends and receives of one bucket's collective, in flight.
+
+    Every exchange must be waited on, on every rank, even after an error: on
+    gloo a receive left pending (its work dropped unwaited) takes a later
+    message with the same tag, and the next exchange hangs or reads wrong data.
+
+    Attributes:
+        received: for a reduce-scatter, ``received[p]``: the other ranks' values of this
+            rank's piece ``p``, one tensor per other rank in axis-index order (empty for
+            an all-gather).
+    """
+
+    def __init__(self, works: list, received: list[list[torch.Tensor]], description: str):
+        self.works = works
+        self.received = received
+        self.description = description
+
+    def wait(self) -> None:
+        """Block until every send and receive of this bucket is done."""
+        if self.works:
+            with stats.collective_scope(self.description):
+                for work in self.works:
+                    work.wait()
+            self.works = []
+
+
+def _ring(ax: Axis) -> list[int]:
+    """The other axis indices, starting after this rank's (spreads the first messages)."""
+    return [(ax.index + step) % ax.size for step in range(1, ax.size)]
+
+
+def _post(ops: list, description: str, received: list[list[torch.Tensor]]) -> Exchange:
+    works = dist.batch_isend_irecv(ops) if ops else []
+    return Exchange([w for w in works if w is not None], received, description)
+
+
+def start_reduce_scatter(plan: BucketPlan, flats: Sequence[torch.Tensor], ax: Axis, *,
+                         tag: int = 0, what: str = "psum_scatter") -> Exchange:
+    """Start the reduce-scatter of one bucket: send every other rank its block, read from
+    ``flats``, and receive their values of this rank's block.
+
+    Nothing is summed yet: :func:`finish_reduce_scatter` does that once the
+    exchange has arrived. Records nothing in the comm stats (the caller does).
+
+    Args:
+        plan: the bucket.
+        flats: every leaf as a contiguous 1-D tensor (indexed by leaf number).
+        ax: the axis (size > 1).
+        tag: message tag (distinct per bucket in flight on gloo).
+        what: name for hang reports.
+
+    Returns:
+        The :class:`Exchange` in flight.
+    """
+    ops = []
+    for j in _ring(ax):
+        for leaf, lo, hi in plan.blocks[j]:
+            ops.append(dist.P2POp(dist.isend, flats[leaf][lo:hi], group=ax.group, group_peer=j,
+                                  tag=tag))
+    mine = plan.blocks[ax.index]
+    received: list[list[torch.Tensor]] = [[] for _ in mine]
+    for j in range(ax.size):
+        if j == ax.index:
+            continue
+        for p, (leaf, lo, hi) in enumerate(mine):
+            buf = torch.empty(hi - lo, dtype=flats[leaf].dtype, device=flats[leaf].device)
+            received[p].append(buf)
+            ops.append(dist.P2POp(dist.irecv, buf, group=ax.group, group_peer=j, tag=tag))
+    return _post(ops, ax.describe(f"{what} (piece exchange)"), received)
+
+
+def finish_reduce_scatter(plan: BucketPlan, flats: Sequence[torch.Tensor], exchange: Exchange,
+                          ax: Axis, outs: Sequence[torch.Tensor], divide_by: int | None) -> None:
+    """Wait for a reduce-scatter and write this rank's summed pieces into ``outs``.
+
+    Each piece is summed as this rank's own values plus the others' in
+    axis-index order (with 2 ranks: the same sum whichever rank owns it).
+
+    Args:
+        plan: the bucket.
+        flats: the leaves the exchange read from (this rank's own values).
+        exchange: from :func:`start_reduce_scatter`.
+        ax: the axis.
+        outs: one 1-D tensor per piece of this rank's block (may be the piece of ``flats``
+            itself: the sum is then written in place).
+        divide_by: divide the sums by this (the mean over ranks), or None.
+    """
+    exchange.wait()
+    for p, ((leaf, lo, hi), out) in enumerate(zip(plan.blocks[ax.index], outs, strict=True)):
+        others = exchange.received[p]
+        torch.add(flats[leaf][lo:hi], others[0], out=out)
+        for term in others[1:]:
+            out.add_(term)
+        if divide_by is not None:
+            out.div_(divide_by)
+    exchange.received = []
+
+
+def start_all_gather(plan: BucketPlan, own: Sequence[torch.Tensor],
+                     dst_flats: Sequence[torch.Tensor], ax: Axis, *, tag: int = 1,
+                     what: str = "all_gather") -> Exchange:
+    """Start the all-gather of one bucket: send this rank's pieces to every other rank and
+    receive theirs straight into ``dst_flats``.
+
+    This rank's own pieces are not copied into ``dst_flats`` (the caller does it,
+    or they are already there).
+
+    Args:
+        plan: the bucket.
+        own: the values of this rank's pieces (``plan.blocks[ax.index]``), 1-D each.
+        dst_flats: every destination leaf as a contiguous 1-D tensor.
+        ax: the axis (size > 1).
+        tag: message tag (distinct per bucket in flight on gloo).
+        what: name for hang reports.
+
+    Returns:
+        The :class:`Exchange` in flight; the destination pieces are valid after ``wait()``.
+    """
+    ops = []
+    for j in _ring(ax):
+        for value in own:
+            ops.append(dist.P2POp(dist.isend, value, group=ax.group, group_peer=j, tag=tag))
+    for j in range(ax.size):
+        if j == ax.index:
+            continue
+        for leaf, lo, hi in plan.blocks[j]:
+            ops.append(dist.P2POp(dist.irecv, dst_flats[leaf][lo:hi], group=ax.group,
+                                  group_peer=j, tag=tag))
+    return _post(ops, ax.describe(f"{what} (piece exchange)"), [])

@@ -1,20 +1,29 @@
 """`data_parallel`: gradient averaging over a data-parallel axis (the DDP baseline).
 
-Two ways to use it, the same collectives either way:
+Two ways to use it, the same communication either way:
 
 * **Pure step** (``torch.func``): ``grads = dp.reduce_grads(grads)`` averages a
-  gradient tree over ``axis``. Leaves are packed into flat buckets of
-  ``bucket_bytes`` (so a model of many small tensors costs few all-reduces) and
-  all buckets are issued before any is waited on.
+  gradient tree over ``axis`` and returns a new tree (with ``donate=True`` it
+  averages in place in the tree it was given, which is then dead).
 * **Autograd step**: ``with dp.overlap(params) as sync: loss.backward()`` hooks
   every parameter; as soon as all gradients of a bucket have been accumulated,
-  that bucket's all-reduce starts while backward goes on (DDP's overlap).
-  ``sync.grads()`` waits and returns the averaged gradient tree; the ``.grad``
-  fields are left as autograd wrote them. Buckets are formed in reverse tree
-  order, the order in which backward usually produces gradients.
+  that bucket's reduction starts while backward goes on (DDP's overlap), and
+  the ``.grad`` fields are averaged **in place**. ``sync.grads()`` waits and
+  returns the tree of those ``.grad`` tensors: no second copy of the gradients
+  exists (16 bytes per parameter with Adam, like DDP). Buckets are formed in
+  reverse tree order, the order in which backward usually produces gradients.
 
-Communication per step: one all-reduce of the gradients, ``2 Psi (N-1)/N`` bytes
-per rank. Memory: one flat copy of the gradients per in-flight bucket.
+How a bucket is averaged: its leaves, laid end to end, are cut into ``N`` even
+blocks (see :mod:`shardfn.primitives.flat`); each rank receives every other
+rank's values of its own block and sums them in place (a reduce-scatter), then
+sends its summed block to the others, who write it in place (an all-gather).
+The messages read and write the gradient tensors themselves: no flat copy is
+made. On gloo this is as fast as ``dist.all_reduce`` on a flat buffer, without
+the two copies that buffer costs.
+
+Communication per step: ``2 Psi (N-1)/N`` bytes per rank (recorded as one
+``psum`` per bucket). Memory: the gradients only (in place), plus the received
+values of the buckets in flight (``(N-1)/N`` of a bucket each).
 
 Example:
     >>> dp = sf.data_parallel(mesh, "dp")
@@ -23,28 +32,36 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 
 from shardfn import pytree
 from shardfn.mesh import AxisName, Mesh
-from shardfn.primitives import _comm
-from shardfn.primitives.flat import FlatPartition, all_reduce_async
+from shardfn.optim.donation import writable_in_place
+from shardfn.primitives import _comm, stats
+from shardfn.primitives.flat import (
+    BucketPlan,
+    Exchange,
+    FlatPartition,
+    finish_reduce_scatter,
+    start_all_gather,
+    start_reduce_scatter,
+)
 from shardfn.transforms.precision import Precision
 
 __all__ = ["DataParallel", "data_parallel"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
-_ops = torch.ops._c10d_functional
+_IN_FLIGHT = 2  # buckets whose reduce-scatter may be outstanding in backward before we wait
 
 
 class DataParallel(NamedTuple):
     """Gradient averaging over a mesh axis.
 
     Attributes:
-        reduce_grads: ``reduce_grads(grads) -> averaged grads`` (pure).
+        reduce_grads: ``reduce_grads(grads) -> averaged grads``.
         overlap: ``overlap(params)`` context manager for autograd steps.
     """
 
@@ -53,39 +70,61 @@ class DataParallel(NamedTuple):
 
 
 def data_parallel(mesh: Mesh, axis: AxisName = "dp", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                  average: bool = True, precision: Precision | None = None) -> DataParallel:
-    """Average gradients over ``axis`` in flat buckets (DDP semantics).
+                  average: bool = True, precision: Precision | None = None,
+                  donate: bool = False) -> DataParallel:
+    """Average gradients over ``axis`` in buckets (DDP semantics).
 
     Args:
         mesh: the mesh.
         axis: the data-parallel axis (or tuple of axes).
-        bucket_bytes: bytes per all-reduce bucket.
+        bucket_bytes: bytes per bucket (one reduction each).
         average: divide the sum by the axis size (mean over ranks).
         precision: its ``reduce_dtype`` (if set) is the dtype gradients are
-            all-reduced in; results come back in each gradient's own dtype.
+            summed in; results come back in each gradient's own dtype.
+        donate: ``reduce_grads`` may average in place in the gradient tensors it is
+            given (they are dead after the call; it returns them). Without it they
+            are left untouched and new tensors are returned. Leaves that cannot be
+            written safely (sharing memory, ``torch.func``-wrapped, needing a dtype
+            cast) are copied either way.
 
     Returns:
         A :class:`DataParallel`.
 
     Example:
-        >>> dp = sf.data_parallel(mesh, "dp", bucket_bytes=2**20)
+        >>> dp = sf.data_parallel(mesh, "dp", bucket_bytes=2**20, donate=True)
+        >>> grads = dp.reduce_grads(grads)           # the tree passed in is now dead
     """
     ax = _comm.resolve(axis, mesh)
     reduce_dtype = precision.reduce_dtype if precision is not None else None
+    plans: dict = {}
 
-    def plan(tree) -> FlatPartition:
-        leaves = pytree.tree_leaves(tree)
-        itemsize = leaves[0].element_size() if leaves else 4
-        return FlatPartition.of(tree, 1, 0, max(1, bucket_bytes // itemsize))
+    def plan(leaves: Sequence[torch.Tensor], tree) -> FlatPartition:
+        key = (pytree.tree_structure(tree), tuple(x.shape for x in leaves),
+               tuple(x.dtype for x in leaves))
+        if key not in plans:
+            itemsize = leaves[0].element_size() if leaves else 4
+            if len(plans) > 16:
+                plans.clear()
+            plans[key] = FlatPartition.of(tree, ax.size, ax.index, max(1, bucket_bytes // itemsize))
+        return plans[key]
 
     def reduce_grads(grads):
         if ax.size == 1:
             return grads
-        part = plan(grads)
-        flat = part.all_reduce(part.flatten(grads, reduce_dtype), ax)
-        if average:
-            flat = flat / ax.size
-        return pytree.tree_map(lambda r, g: r.to(g.dtype), part.unflatten(flat), grads)
+        leaves, treedef = pytree.tree_flatten(grads)
+        names = None
+        for i, g in enumerate(leaves):
+            if not isinstance(g, torch.Tensor):
+                names = names or pytree.tree_paths(grads)
+                raise TypeError(f"reduce_grads: gradient leaf {names[i]!r} is a "
+                                f"{type(g).__name__}, expected a torch.Tensor")
+        part = plan(leaves, grads)
+        work = _working_copies(leaves, reduce_dtype, donate)
+        flats = [w.view(-1) for w in work]
+        _average_in_place(part.plans, flats, ax, average)
+        out = [g if w is g else w.view(g.shape).to(g.dtype)
+               for w, g in zip(work, leaves, strict=True)]
+        return pytree.tree_unflatten(treedef, out)
 
     def overlap(params) -> _Overlap:
         return _Overlap(params, ax, bucket_bytes, average, reduce_dtype)
@@ -93,8 +132,46 @@ def data_parallel(mesh: Mesh, axis: AxisName = "dp", *, bucket_bytes: int = DEFA
     return DataParallel(reduce_grads, overlap)
 
 
+def _working_copies(leaves: Sequence[torch.Tensor], reduce_dtype: torch.dtype | None,
+                    donate: bool) -> list[torch.Tensor]:
+    """The contiguous tensors to average in place: the leaves themselves when donated and
+    safe to write, else copies (in ``reduce_dtype`` if set)."""
+    in_place = donate and writable_in_place(leaves)
+    out = []
+    for g in leaves:
+        dtype = reduce_dtype or g.dtype
+        if in_place and dtype == g.dtype and g.is_contiguous():
+            out.append(g)
+        else:
+            out.append(g.detach().to(dtype=dtype, memory_format=torch.contiguous_format,
+                                     copy=True))
+    return out
+
+
+def _average_in_place(plans: Sequence[BucketPlan], flats: Sequence[torch.Tensor], ax,
+                      average: bool) -> None:
+    """Sum (and average) every bucket over ``ax``, in place in ``flats``."""
+    scatters = []
+    for b, plan in enumerate(plans):
+        stats.record(ax.key, "psum", 2 * plan.nbytes(flats) * (ax.size - 1) / ax.size)
+        scatters.append(start_reduce_scatter(plan, flats, ax, tag=2 * b, what="psum"))
+    gathers = []
+    for b, (plan, exchange) in enumerate(zip(plans, scatters, strict=True)):
+        gathers.append(_second_half(plan, flats, exchange, ax, average, tag=2 * b + 1))
+    for exchange in gathers:
+        exchange.wait()
+
+
+def _second_half(plan: BucketPlan, flats: Sequence[torch.Tensor], exchange: Exchange, ax,
+                 average: bool, tag: int) -> Exchange:
+    """Finish a bucket's reduce-scatter in place and start its all-gather."""
+    own = [flats[leaf][lo:hi] for leaf, lo, hi in plan.blocks[ax.index]]
+    finish_reduce_scatter(plan, flats, exchange, ax, own, ax.size if average else None)
+    return start_all_gather(plan, own, flats, ax, tag=tag, what="psum")
+
+
 class _Overlap:
-    """Hooks that all-reduce gradient buckets as backward produces them."""
+    """Hooks that average gradient buckets in place as backward produces them."""
 
     def __init__(self, params, ax, bucket_bytes: int, average: bool,
                  reduce_dtype: torch.dtype | None):
@@ -103,64 +180,110 @@ class _Overlap:
             if not (isinstance(leaf, torch.Tensor) and leaf.is_leaf and leaf.requires_grad):
                 raise ValueError(f"overlap: leaf {name!r} must be a leaf tensor that requires grad")
         self.ax, self.average, self.reduce_dtype = ax, average, reduce_dtype
-        self.buckets: list[list[int]] = []
+        members: list[list[int]] = []
         size = 0
         for i in reversed(range(len(self.leaves))):
             nbytes = self.leaves[i].numel() * self.leaves[i].element_size()
-            if not self.buckets or size + nbytes > bucket_bytes:
-                self.buckets.append([])
+            if not members or size + nbytes > bucket_bytes:
+                members.append([])
                 size = 0
-            self.buckets[-1].append(i)
+            members[-1].append(i)
             size += nbytes
-        self.bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
-        self.handles: dict[int, torch.Tensor] = {}
-        self.pending: list[int] = []
+        self.members = members
+        self.plans = [BucketPlan.of([(i, 0, self.leaves[i].numel()) for i in m], ax.size)
+                      for m in members]
+        self.bucket_of = {i: b for b, m in enumerate(members) for i in m}
         self.hooks: list = []
 
     def __enter__(self) -> _Overlap:
-        self.pending = [len(members) for members in self.buckets]
-        self.handles = {}
+        self._drain()  # a block whose grads() was never called
+        self.pending = [len(m) for m in self.members]
+        self.seen = [False] * len(self.leaves)
+        self.flats: list[torch.Tensor | None] = [None] * len(self.leaves)
+        self.next = 0  # buckets are launched in index order, the same on every rank
+        self.scatters: dict[int, Exchange] = {}
+        self.gathers: dict[int, Exchange] = {}
         self.hooks = [leaf.register_post_accumulate_grad_hook(self._hook_for(i))
                       for i, leaf in enumerate(self.leaves)]
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+        if exc_type is not None:
+            self._drain()
+
+    def _drain(self) -> None:
+        """Wait for every exchange still in flight: a point-to-point receive left pending
+        would take the next step's message with the same tag."""
+        for exchanges in (getattr(self, "scatters", {}), getattr(self, "gathers", {})):
+            for exchange in exchanges.values():
+                exchange.wait()
+            exchanges.clear()
 
     def _hook_for(self, i: int):
-        def hook(_param):
-            b = self.bucket_of[i]
-            self.pending[b] -= 1
-            if self.pending[b] == 0:
-                self._launch(b)
+        def hook(param):
+            if self.seen[i]:
+                raise RuntimeError(f"overlap: leaf {self.names[i]!r} received a second gradient "
+                                   "inside one `with overlap(...)` block; run one backward per "
+                                   "block (accumulate micro-batches before it)")
+            self.seen[i] = True
+            self.pending[self.bucket_of[i]] -= 1
+            self._launch_ready()
 
         return hook
 
-    def _launch(self, b: int) -> None:
-        dtype = self.reduce_dtype or self.leaves[self.buckets[b][0]].grad.dtype
-        grads = [self.leaves[i].grad.reshape(-1).to(dtype) for i in self.buckets[b]]
-        flat = torch.cat(grads) if len(grads) > 1 else grads[0].clone()
-        self.handles[b] = all_reduce_async(flat, self.ax) if self.ax.size > 1 else flat
+    def _launch_ready(self) -> None:
+        while self.next < len(self.members) and self.pending[self.next] == 0:
+            b = self.next
+            self.next += 1
+            for i in self.members[b]:
+                grad = self.leaves[i].grad
+                if self.ax.size > 1 and (self.reduce_dtype not in (None, grad.dtype)
+                                         or not grad.is_contiguous()):
+                    grad = grad.to(dtype=self.reduce_dtype or grad.dtype,
+                                   memory_format=torch.contiguous_format)
+                self.flats[i] = grad.view(-1)
+            if self.ax.size == 1:
+                continue
+            plan = self.plans[b]
+            stats.record(self.ax.key, "psum",
+                         2 * plan.nbytes(self.flats) * (self.ax.size - 1) / self.ax.size)
+            self.scatters[b] = start_reduce_scatter(plan, self.flats, self.ax, tag=2 * b,
+                                                    what="psum")
+            # the reduce-scatter of an older bucket has had a bucket's worth of backward to
+            # arrive: finish it and start its all-gather, so that little is left for grads()
+            if b - _IN_FLIGHT + 1 >= 0 and (b - _IN_FLIGHT + 1) in self.scatters:
+                self._gather(b - _IN_FLIGHT + 1)
+
+    def _gather(self, b: int) -> None:
+        exchange = self.scatters.pop(b)
+        self.gathers[b] = _second_half(self.plans[b], self.flats, exchange, self.ax,
+                                       self.average, tag=2 * b + 1)
 
     def grads(self):
-        """Wait for every bucket and return the averaged gradient tree (new tensors)."""
-        out: list[torch.Tensor | None] = [None] * len(self.leaves)
-        for b, members in enumerate(self.buckets):
-            if b not in self.handles:
-                missing = [self.names[i] for i in members if self.leaves[i].grad is None]
-                if missing:
-                    raise RuntimeError(f"overlap: no gradient arrived for {missing[:5]}; every "
-                                       "leaf passed to overlap() must take part in the loss")
-                self._launch(b)
-            flat = self.handles[b]
-            flat = _ops.wait_tensor(flat) if self.ax.size > 1 else flat
-            if self.average and self.ax.size > 1:
-                flat = flat / self.ax.size
-            at = 0
-            for i in members:
-                leaf = self.leaves[i]
-                out[i] = flat[at:at + leaf.numel()].view(leaf.shape).to(leaf.dtype)
-                at += leaf.numel()
+        """Wait for every bucket; the tree of the averaged ``.grad`` tensors (averaged in
+        place: the same tensors as the ``.grad`` fields, not copies)."""
+        missing = [self.names[i] for i, leaf in enumerate(self.leaves)
+                   if not self.seen[i] and leaf.grad is None]
+        if missing:
+            raise RuntimeError(f"overlap: no gradient arrived for {missing[:5]}; every leaf "
+                               "passed to overlap() must take part in the loss")
+        for i in range(len(self.leaves)):  # leaves backward did not reach this time
+            if not self.seen[i]:
+                self.seen[i] = True
+                self.pending[self.bucket_of[i]] -= 1
+        self._launch_ready()
+        for b in sorted(self.scatters):
+            self._gather(b)
+        for b in sorted(self.gathers):
+            self.gathers.pop(b).wait()
+        out = []
+        for leaf, flat in zip(self.leaves, self.flats, strict=True):
+            grad = leaf.grad
+            if flat is not None and flat.data_ptr() != grad.data_ptr():
+                grad.copy_(flat.view(grad.shape))  # it was reduced in another dtype or layout
+            out.append(grad)
+        self.flats = [None] * len(self.leaves)
         return pytree.tree_unflatten(self.treedef, out)

@@ -41,6 +41,7 @@ def cases(draw):
         per_rank=draw(st.integers(1, 3)),
         shard_grads=draw(st.booleans()),
         bucket_bytes=draw(st.sampled_from([64, 2**20])),
+        donate=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -60,9 +61,10 @@ def _train(case, sharded: bool):
     params = _models.init_params(case["vocab"], case["d"], case["hidden"], case["seed"])
     opt = make_opt(case["opt"], case["clip"])
     mesh = sf.Mesh({"dp": n}) if sharded else None
+    donate = sharded and case.get("donate", False)
     if sharded:
         opt = sf.shard_opt_state(opt, mesh, "dp", shard_grads=case["shard_grads"],
-                                 bucket_bytes=case["bucket_bytes"])
+                                 bucket_bytes=case["bucket_bytes"], donate=donate)
     state = opt.init(params)
     grad_fn = sf.accumulate_grads(torch.func.grad_and_value(_models.loss_fn), case["accumulate"])
     sf.reset_comm_stats()
@@ -74,7 +76,7 @@ def _train(case, sharded: bool):
             batch = _models.rank_slice(batch, rank, n)
         grads, loss = grad_fn(params, batch)
         updates, state = opt.update(grads, state, params)
-        params = sf.optim.apply_updates(params, updates)
+        params = sf.optim.apply_updates(params, updates, donate=donate)
         losses.append(loss)
     stats = sf.comm_stats()
     full_state = opt.gather_state(state, params) if sharded else state
@@ -218,8 +220,10 @@ def _zero2_autograd(n_steps, bucket_bytes, seed):
         leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
         with opt.overlap(leaves) as sync:
             _models.loss_fn(leaves, batch).backward()
-        grads_left.append(sum(p.grad is not None for p in leaves.values()))
-        updates, state = opt.update(sync.grads(), state, params)
+        after_backward = sum(p.grad is not None for p in leaves.values())
+        reduced = sync.grads()
+        grads_left.append((after_backward, sum(p.grad is not None for p in leaves.values())))
+        updates, state = opt.update(reduced, state, params)
         params = sf.optim.apply_updates(params, updates)
     return params, grads_left
 
@@ -236,4 +240,93 @@ def test_zero2_overlap_with_autograd_matches_single_process(worlds, bucket_bytes
         params = sf.optim.apply_updates(params, updates)
     for got, grads_left in worlds(n).run(_zero2_autograd, 3, bucket_bytes, seed):
         assert_close(got, params)
-        assert grads_left == [0, 0, 0]  # no full local gradient outlives its bucket
+        # a .grad is the send buffer of its buckets: it is freed once they are reduced,
+        # during backward for all but the last buckets in flight, and none outlives grads()
+        assert [after for _, after in grads_left] == [0, 0, 0]
+        if bucket_bytes == 24:  # many buckets: most gradients were freed during backward
+            assert all(during < len(params) for during, _ in grads_left), grads_left
+
+
+def _donation(bucket_bytes, steps):
+    """The same ZeRO-1 steps with and without donation (bitwise), and what each one touches."""
+    import torch.distributed as dist
+
+    import shardfn as sf
+    from tests.transforms import _models
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    mesh = sf.Mesh({"dp": n})
+    make = lambda donate: sf.shard_opt_state(  # noqa: E731
+        sf.optim.adamw(1e-2, weight_decay=0.1), mesh, "dp", bucket_bytes=bucket_bytes,
+        donate=donate)
+    pure, donating = make(False), make(True)
+    params = _models.init_params(11, 3, 5, 1)
+    params_d = {k: v.clone() for k, v in params.items()}
+    state, state_d = pure.init(params), donating.init(params_d)
+    report = {"untouched": True, "bitwise": True, "in_place": True}
+    for step in range(steps):
+        batch = _models.rank_slice(_models.make_batch(2 * n, 11, 9 + step), rank, n)
+        grads = torch.func.grad(_models.loss_fn)(params, batch)
+        kept = [t.clone() for t in sf.pytree.tree_leaves((grads, state, params))]
+        updates, new_state = pure.update(grads, state, params)
+        report["untouched"] &= all(torch.equal(a, b) for a, b in zip(
+            sf.pytree.tree_leaves((grads, state, params)), kept, strict=True))
+        grads_d = {k: v.clone() for k, v in grads.items()}
+        mu_d = sf.pytree.tree_leaves(state_d.inner.mu)
+        updates_d, state_d = donating.update(grads_d, state_d, params_d)
+        report["in_place"] &= all(updates_d[k] is grads_d[k] for k in grads_d) and all(
+            a is b for a, b in zip(mu_d, sf.pytree.tree_leaves(state_d.inner.mu), strict=True))
+        params = sf.optim.apply_updates(params, updates)
+        params_d = sf.optim.apply_updates(params_d, updates_d, donate=True)
+        state = new_state
+        report["bitwise"] &= all(torch.equal(params[k], params_d[k]) for k in params) and all(
+            torch.equal(a, b) for a, b in zip(sf.pytree.tree_leaves(state),
+                                              sf.pytree.tree_leaves(state_d), strict=True))
+    return report
+
+
+@pytest.mark.parametrize("bucket_bytes", [24, 2**20])
+def test_donation_is_bitwise_the_same_and_in_place(worlds, bucket_bytes):
+    for report in worlds(3).run(_donation, bucket_bytes, 3):
+        assert report == {"untouched": True, "bitwise": True, "in_place": True}
+
+
+def _zero1_autograd(n_steps, bucket_bytes, seed):
+    """ZeRO-1 with autograd: reduce-scatter during backward, .grad kept as autograd wrote it."""
+    import torch.distributed as dist
+
+    import shardfn as sf
+    from tests.transforms import _models
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    params = _models.init_params(11, 3, 5, seed)
+    opt = sf.shard_opt_state(sf.optim.adamw(1e-2), sf.Mesh({"dp": n}), "dp",
+                             bucket_bytes=bucket_bytes)
+    state = opt.init(params)
+    kept = []
+    for step in range(n_steps):
+        batch = _models.rank_slice(_models.make_batch(2 * n, 11, seed + step), rank, n)
+        local = torch.func.grad(_models.loss_fn)(params, batch)
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        with opt.overlap(leaves) as sync:
+            _models.loss_fn(leaves, batch).backward()
+        reduced = sync.grads()
+        kept.append(all(torch.allclose(leaves[k].grad, local[k]) for k in local))
+        updates, state = opt.update(reduced, state, params)
+        params = sf.optim.apply_updates(params, updates)
+    return params, kept
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_zero1_overlap_with_autograd_matches_single_process(worlds, n):
+    seed = 5
+    params = _models.init_params(11, 3, 5, seed)
+    opt = sf.optim.adamw(1e-2)
+    state = opt.init(params)
+    for step in range(3):
+        grads = torch.func.grad(_models.loss_fn)(params, _models.make_batch(2 * n, 11, seed + step))
+        updates, state = opt.update(grads, state, params)
+        params = sf.optim.apply_updates(params, updates)
+    for got, kept in worlds(n).run(_zero1_autograd, 3, 24, seed):
+        assert_close(got, params)
+        assert kept == [True, True, True]  # ZeRO-1 leaves the local .grad in place

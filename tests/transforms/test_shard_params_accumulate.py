@@ -166,14 +166,18 @@ def _memory_on_rank(n: int, k: int):
 def test_reduce_once_holds_a_full_gradient(worlds):
     n, k = 4, 3
     for between, full, grads in worlds(n).run(_memory_on_rank, n, k):
+        # gloo can release a finished collective's buffers (a unit's full parameters and
+        # its shard) a little after the wait returns; under load that reached two
+        unit = full // 8
+        late = 2 * (unit + unit // n) + 64
         assert_close(grads["reduce_once"], grads["reduce_each"])
         assert between["reduce_once"][0] == between["reduce_each"][0] == 0
         for i in range(1, k):
             # reduce_once: every unit's full gradient (float32) waits for the final
             # reduction, next to the running sum of the (zero) shard gradients
-            assert full + full / n <= between["reduce_once"][i] <= full + full / n + 64
+            assert full + full / n <= between["reduce_once"][i] <= full + full / n + late
             # reduce_each: only the running sum of the shard gradients (and of the loss)
-            assert full / n <= between["reduce_each"][i] <= full / n + 64
+            assert full / n <= between["reduce_each"][i] <= full / n + late
 
 
 def test_bad_arguments():
