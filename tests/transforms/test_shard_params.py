@@ -26,15 +26,6 @@ from shardfn.transforms.shard_params import shard_params
 STEPS = 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # the single-process references run here; on a loaded 2-core machine OpenMP's second
-    # thread makes tiny kernels take milliseconds (the workers use one thread too)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 # ---------------------------------------------------------------- models
 

@@ -27,13 +27,6 @@ from tests.transforms.test_shard_params import UNITS, Block, TinyLM
 STEPS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def make_lm(case):
     torch.manual_seed(0)

@@ -36,13 +36,6 @@ POLICIES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 class NamedBlock(nn.Module):
     """A block with a tagged hidden value, dropout and a parameter used twice."""
