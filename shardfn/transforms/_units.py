@@ -158,7 +158,22 @@ def _storages(tensors) -> set[int]:
     return {_storage_ptr(_base(t)) for t in tensors if isinstance(t, torch.Tensor)}
 
 
-class UnitRecorder(_Recorder):
+class _Pausable:
+    """A dispatch mode that a nested unit can switch off for the length of a block."""
+
+    paused = False
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Let the ops of this block (a nested unit's) through untouched and uncounted."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
+
+
+class UnitRecorder(_Pausable, _Recorder):
     """Forward of a unit (or the root): keeps the outputs ``policy`` saves.
 
     Outputs of ops whose tensor inputs are all parameters or values computed from
@@ -173,7 +188,6 @@ class UnitRecorder(_Recorder):
         super().__init__(lambda op, name: not self.param_only and self.user_policy(op, name), [])
         self.param_storages = _storages(params.values())  # alive throughout the call
         self.derived = WeakIdKeyDictionary()  # outputs computed from parameters alone
-        self.paused = False
 
     def _check_closure(self, func, args, kwargs) -> None:
         pass  # parameters and inputs reach a unit through functional_call, not its arguments
@@ -194,36 +208,14 @@ class UnitRecorder(_Recorder):
                     self.derived[t] = True
         return out
 
-    @contextlib.contextmanager
-    def pause(self) -> Iterator[None]:
-        """Neither record nor count the ops of this block (a nested unit's)."""
-        self.paused = True
-        try:
-            yield
-        finally:
-            self.paused = False
 
-
-class UnitReplayer(_Replayer):
+class UnitReplayer(_Pausable, _Replayer):
     """Backward recompute of a unit (or the root): saved ops return their saved outputs."""
-
-    def __init__(self, saved):
-        super().__init__(saved)
-        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.paused:
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
-
-    @contextlib.contextmanager
-    def pause(self) -> Iterator[None]:
-        """Run the ops of this block (a nested unit's replay) untouched and uncounted."""
-        self.paused = True
-        try:
-            yield
-        finally:
-            self.paused = False
 
 
 # ================================================================ gradient accumulation

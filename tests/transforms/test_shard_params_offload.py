@@ -22,22 +22,10 @@ from torch.testing import assert_close
 
 import shardfn as sf
 from shardfn.transforms.shard_params import OffloadPolicy, shard_params
-from tests.transforms.test_shard_params import UNITS, Block, TinyLM
+from tests.transforms.test_shard_params import UNITS, Block, make_batch, make_lm
 
 STEPS = 3
 
-
-
-def make_lm(case):
-    torch.manual_seed(0)
-    return TinyLM(case["vocab"], case["d"], case["hiddens"])
-
-
-def make_batch(case, step: int):
-    gen = torch.Generator().manual_seed(case["seed"] * 100 + step)
-    shape = (case["n"] * case["per_rank"], case["seq"])
-    return (torch.randint(0, case["vocab"], shape, generator=gen),
-            torch.randint(0, case["vocab"], shape, generator=gen))
 
 
 def _train_on_rank(case):

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import shardfn as sf
-from tests.transforms.test_shard_params import UNITS, TinyLM
+from tests.transforms.test_shard_params import UNITS, make_batch, make_lm
 
 BF16 = sf.Precision(param_dtype=torch.bfloat16, output_dtype=torch.float32)
 BF16_FP32_REDUCE = sf.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -35,18 +35,6 @@ STEPS = 20
 LOSS_TOL = dict(rtol=1e-1, atol=3e-2)
 PARAM_TOL = dict(rtol=0.0, atol=3e-2)
 
-
-
-def make_lm(case):
-    torch.manual_seed(0)
-    return TinyLM(case["vocab"], case["d"], case["hiddens"])
-
-
-def make_batch(case, step: int):
-    gen = torch.Generator().manual_seed(case["seed"] * 100 + step)
-    shape = (case["n"] * case["per_rank"], case["seq"])
-    return (torch.randint(0, case["vocab"], shape, generator=gen),
-            torch.randint(0, case["vocab"], shape, generator=gen))
 
 
 def _train_on_rank(case):
