@@ -49,6 +49,7 @@ from shardfn.primitives.flat import (
     start_all_gather,
     start_reduce_scatter,
 )
+from shardfn.primitives.grad_hooks import GradHooks
 from shardfn.transforms.precision import Precision
 
 __all__ = ["DataParallel", "data_parallel"]
@@ -170,15 +171,12 @@ def _second_half(plan: BucketPlan, flats: Sequence[torch.Tensor], exchange: Exch
     return start_all_gather(plan, own, flats, ax, tag=tag, what="psum")
 
 
-class _Overlap:
+class _Overlap(GradHooks):
     """Hooks that average gradient buckets in place as backward produces them."""
 
     def __init__(self, params, ax, bucket_bytes: int, average: bool,
                  reduce_dtype: torch.dtype | None):
-        self.names, self.leaves, self.treedef = pytree.tree_flatten_with_path(params)
-        for name, leaf in zip(self.names, self.leaves, strict=True):
-            if not (isinstance(leaf, torch.Tensor) and leaf.is_leaf and leaf.requires_grad):
-                raise ValueError(f"overlap: leaf {name!r} must be a leaf tensor that requires grad")
+        super().__init__(params)
         self.ax, self.average, self.reduce_dtype = ax, average, reduce_dtype
         members: list[list[int]] = []
         size = 0
@@ -193,46 +191,26 @@ class _Overlap:
         self.plans = [BucketPlan.of([(i, 0, self.leaves[i].numel()) for i in m], ax.size)
                       for m in members]
         self.bucket_of = {i: b for b, m in enumerate(members) for i in m}
-        self.hooks: list = []
+        self.scatters: dict[int, Exchange] = {}
+        self.gathers: dict[int, Exchange] = {}
 
     def __enter__(self) -> _Overlap:
         self._drain()  # a block whose grads() was never called
         self.pending = [len(m) for m in self.members]
-        self.seen = [False] * len(self.leaves)
         self.flats: list[torch.Tensor | None] = [None] * len(self.leaves)
         self.next = 0  # buckets are launched in index order, the same on every rank
-        self.scatters: dict[int, Exchange] = {}
-        self.gathers: dict[int, Exchange] = {}
-        self.hooks = [leaf.register_post_accumulate_grad_hook(self._hook_for(i))
-                      for i, leaf in enumerate(self.leaves)]
+        self._register()
         return self
 
-    def __exit__(self, exc_type, *exc) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
-        if exc_type is not None:
-            self._drain()
-
     def _drain(self) -> None:
-        """Wait for every exchange still in flight: a point-to-point receive left pending
-        would take the next step's message with the same tag."""
-        for exchanges in (getattr(self, "scatters", {}), getattr(self, "gathers", {})):
+        for exchanges in (self.scatters, self.gathers):
             for exchange in exchanges.values():
                 exchange.wait()
             exchanges.clear()
 
-    def _hook_for(self, i: int):
-        def hook(param):
-            if self.seen[i]:
-                raise RuntimeError(f"overlap: leaf {self.names[i]!r} received a second gradient "
-                                   "inside one `with overlap(...)` block; run one backward per "
-                                   "block (accumulate micro-batches before it)")
-            self.seen[i] = True
-            self.pending[self.bucket_of[i]] -= 1
-            self._launch_ready()
-
-        return hook
+    def _on_grad(self, i: int, param: torch.Tensor) -> None:
+        self.pending[self.bucket_of[i]] -= 1
+        self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self.next < len(self.members) and self.pending[self.next] == 0:
@@ -265,11 +243,7 @@ class _Overlap:
     def grads(self):
         """Wait for every bucket; the tree of the averaged ``.grad`` tensors (averaged in
         place: the same tensors as the ``.grad`` fields, not copies)."""
-        missing = [self.names[i] for i, leaf in enumerate(self.leaves)
-                   if not self.seen[i] and leaf.grad is None]
-        if missing:
-            raise RuntimeError(f"overlap: no gradient arrived for {missing[:5]}; every leaf "
-                               "passed to overlap() must take part in the loss")
+        self._check_all_arrived()
         for i in range(len(self.leaves)):  # leaves backward did not reach this time
             if not self.seen[i]:
                 self.seen[i] = True

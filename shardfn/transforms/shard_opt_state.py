@@ -83,6 +83,7 @@ from shardfn.primitives.flat import (
     start_all_gather,
     start_reduce_scatter,
 )
+from shardfn.primitives.grad_hooks import GradHooks
 from shardfn.transforms.precision import Precision
 
 __all__ = ["ReducedGrads", "ShardedOptState", "ShardedOptimizer", "shard_opt_state"]
@@ -314,27 +315,23 @@ def _all_gather(part: FlatPartition, local_leaves: list[torch.Tensor],
     return into
 
 
-class _ZeroOverlap:
+class _ZeroOverlap(GradHooks):
     """Backward hooks that reduce-scatter buckets as their gradients arrive (ZeRO-1/2)."""
 
     def __init__(self, params, part: FlatPartition, ax, average: bool,
                  reduce_dtype: torch.dtype | None, free_grads: bool):
-        self.names, self.leaves, _ = pytree.tree_flatten_with_path(params)
-        for name, leaf in zip(self.names, self.leaves, strict=True):
-            if not (isinstance(leaf, torch.Tensor) and leaf.is_leaf and leaf.requires_grad):
-                raise ValueError(f"overlap: leaf {name!r} must be a leaf tensor that requires grad")
+        super().__init__(params)
         self.part, self.ax, self.average = part, ax, average
         self.reduce_dtype, self.free_grads = reduce_dtype, free_grads
         self.members = [sorted({leaf for pieces in plan.blocks for leaf, _, _ in pieces})
                         for plan in part.plans]
         self.buckets_of = {i: [b for b, m in enumerate(self.members) if i in m]
                            for i in range(len(self.leaves))}
-        self.hooks: list = []
+        self.exchanges: dict[int, Exchange] = {}
 
     def __enter__(self) -> _ZeroOverlap:
         self._drain()  # a block whose grads() was never called
         self.pending = [len(m) for m in self.members]
-        self.seen = [False] * len(self.leaves)
         self.unfinished = {i: len(bs) for i, bs in self.buckets_of.items()}
         self.flats: list[torch.Tensor | None] = [None] * len(self.leaves)
         self.local = [torch.empty(n, dtype=p.dtype, device=p.device)
@@ -343,44 +340,25 @@ class _ZeroOverlap:
         # order on every rank
         self.order = list(reversed(range(len(self.members))))
         self.unfinished_buckets: list[int] = []  # launched, not yet summed, oldest first
-        self.exchanges: dict[int, Exchange] = {}
-        self.hooks = [leaf.register_post_accumulate_grad_hook(self._hook_for(i))
-                      for i, leaf in enumerate(self.leaves)]
+        self._register()
         return self
 
-    def __exit__(self, exc_type, *exc) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
-        if exc_type is not None:
-            self._drain()
-
     def _drain(self) -> None:
-        """Wait for every exchange still in flight: a point-to-point receive left pending
-        would take the next step's message with the same tag."""
-        for exchange in getattr(self, "exchanges", {}).values():
+        for exchange in self.exchanges.values():
             exchange.wait()
         self.exchanges = {}
 
-    def _hook_for(self, i: int):
-        def hook(param):
-            if self.seen[i]:
-                raise RuntimeError(f"overlap: leaf {self.names[i]!r} received a second gradient "
-                                   "inside one `with overlap(...)` block; run one backward per "
-                                   "block (accumulate micro-batches before it)")
-            self.seen[i] = True
-            grad = param.grad
-            if self.reduce_dtype not in (None, grad.dtype) or not grad.is_contiguous():
-                grad = grad.to(dtype=self.reduce_dtype or grad.dtype,
-                               memory_format=torch.contiguous_format)
-                if self.free_grads:
-                    param.grad = None  # the copy is what gets sent
-            self.flats[i] = grad.view(-1)
-            for b in self.buckets_of[i]:
-                self.pending[b] -= 1
-            self._launch_ready()
-
-        return hook
+    def _on_grad(self, i: int, param: torch.Tensor) -> None:
+        grad = param.grad
+        if self.reduce_dtype not in (None, grad.dtype) or not grad.is_contiguous():
+            grad = grad.to(dtype=self.reduce_dtype or grad.dtype,
+                           memory_format=torch.contiguous_format)
+            if self.free_grads:
+                param.grad = None  # the copy is what gets sent
+        self.flats[i] = grad.view(-1)
+        for b in self.buckets_of[i]:
+            self.pending[b] -= 1
+        self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self.order and self.pending[self.order[0]] == 0:
@@ -413,11 +391,7 @@ class _ZeroOverlap:
 
     def grads(self) -> ReducedGrads:
         """Wait for every bucket; this rank's averaged gradient part (new tensors)."""
-        missing = [self.names[i] for i, leaf in enumerate(self.leaves)
-                   if not self.seen[i] and leaf.grad is None]
-        if missing:
-            raise RuntimeError(f"overlap: no gradient arrived for {missing[:5]}; every leaf "
-                               "passed to overlap() must take part in the loss")
+        self._check_all_arrived()
         for i, leaf in enumerate(self.leaves):  # leaves backward did not reach this time
             if not self.seen[i]:
                 self.seen[i] = True
