@@ -101,6 +101,7 @@ from shardfn.mesh import AxisName, Mesh
 from shardfn.primitives import _comm, stats
 from shardfn.primitives.flat import all_reduce_async
 from shardfn.spec import Layout, P, local_shape, shard
+from shardfn.transforms._unit_exchange import TagCounter, UnitGather, UnitReduce
 from shardfn.transforms._units import (
     Accumulator,
     NoReduce,
@@ -320,6 +321,7 @@ class ShardedModel:
     def _reduce_accumulated(self, accumulator: Accumulator) -> Params:
         """Reduce every unit's summed full gradients once: ``name -> shard gradient``."""
         some = [g for grads in accumulator.grads.values() for g in grads.values()]
+        tags = TagCounter()
         device = some[0].device if some else (self._place.compute or self.mesh.device)
         out: Params = {}
         for unit in (*self._units, self._root):  # every rank reduces every unit, in order
@@ -328,7 +330,7 @@ class ShardedModel:
                 if name not in grads:
                     grads[name] = torch.zeros(self.specs[name].shape, dtype=self._masters[name],
                                               device=device)
-            out.update(_Reduce(self, unit, grads).wait())
+            out.update(_Reduce(self, unit, grads, tags()).wait())
         return out
 
     def check(self, shards: Mapping[str, torch.Tensor]) -> None:
@@ -709,85 +711,25 @@ def _init_groups(model: FunctionalModel, paths: tuple[str, ...]) -> tuple[tuple[
 # ================================================================ collectives of a unit
 
 
-class _Gather:
-    """The all-gather of one unit's shards: issued on construction, waited by :meth:`wait`.
-
-    Each shard is first copied to the compute device (offload) and cast to its
-    compute dtype (precision) as it is packed into the flat buffer.
-    """
-
-    def __init__(self, unit: _Unit, shards: Mapping[str, torch.Tensor], ax: _comm.Axis,
-                 place: Placement):
-        self.unit, self.ax, self.handles = unit, ax, []
-        if ax.size == 1:
-            self.full = {name: place.gather_input(shards[name]) for name in unit.sharded}
-            return
-        for flat in unit.gather:
-            device = place.compute or shards[flat.names[0]].device
-            chunk = torch.empty(flat.chunk, dtype=flat.dtype, device=device)
-            for name, local, offset in zip(flat.names, flat.local_shapes, flat.offsets,
-                                           strict=True):
-                chunk[offset:offset + math.prod(local)].copy_(
-                    place.to_compute(shards[name]).reshape(-1))  # casts to flat.dtype
-            stats.record(ax.key, "all_gather", chunk.numel() * chunk.element_size() * (ax.size - 1))
-            self.handles.append(_ops.all_gather_into_tensor(chunk, ax.size, ax.group_name))
-
-    def wait(self) -> Params:
-        """The unit's full parameters (``name -> tensor`` with the global shape)."""
-        if self.ax.size == 1:
-            return self.full
-        with stats.collective_scope(self.ax.describe(f"all_gather of unit {self.unit.label}")):
-            buffers = [_ops.wait_tensor(h) for h in self.handles]
-        full = {}
-        for flat, buffer in zip(self.unit.gather, buffers, strict=True):
-            rows = buffer.view(self.ax.size, flat.chunk)
-            for name, shape, local, offset in zip(flat.names, flat.shapes, flat.local_shapes,
-                                                  flat.offsets, strict=True):
-                piece = rows[:, offset:offset + math.prod(local)]
-                piece = piece.reshape((self.ax.size * local[0],) + local[1:])[:shape[0]]
-                # contiguous, like one process's parameter: kernels (bf16 ones especially)
-                # may round differently on strided operands; most pieces are copies already
-                full[name] = piece.contiguous()
-        return full
-
-
 class _Reduce:
     """The reduction of one unit's gradients: reduce-scatters issued now, finished by wait().
 
-    Takes ownership of ``grads`` (full gradients of the unit's owned trainable leaves): each
-    is dropped once copied into the flat buffer, so buffer and gradients are not both whole.
-    The buffer has the reduce dtype; the shard gradients come back in the master dtype,
-    on the storage device.
+    Takes ownership of ``grads`` (full gradients of the unit's owned trainable leaves).
+    They are reduced in the reduce dtype; the shard gradients come back in the master
+    dtype, on the storage device. With HSDP the shards are then summed over the
+    replica axis.
     """
 
-    def __init__(self, model: ShardedModel, unit: _Unit, grads: dict[str, torch.Tensor]):
-        self.model, self.unit, self.handles = model, unit, []
-        ax = model._ax
-        for flat in unit.scatter:  # one flat reduce-scatter per dtype
-            buffer = grads[flat.names[0]].new_empty(ax.size, flat.chunk, dtype=flat.dtype)
-            for name, shape, local, offset in zip(flat.names, flat.shapes, flat.local_shapes,
-                                                  flat.offsets, strict=True):
-                grad = grads.pop(name).detach()
-                pad = ax.size * local[0] - shape[0]
-                if pad:  # zero rows up to a whole number of shards
-                    grad = torch.cat([grad, grad.new_zeros((pad,) + tuple(shape[1:]))])
-                block = buffer[:, offset:offset + math.prod(local)]
-                block.view((ax.size,) + local).copy_(grad.view((ax.size,) + local))
-                del grad
-            buffer = buffer.view(-1)
-            if ax.size > 1:
-                stats.record(ax.key, "psum_scatter",
-                             buffer.numel() * buffer.element_size() * (ax.size - 1) / ax.size)
-                buffer = _ops.reduce_scatter_tensor(buffer, "sum", ax.size, ax.group_name)
-            self.handles.append(buffer)
-        self.replicated = {n: grads[n].detach() for n in unit.replicated if n in grads}
+    def __init__(self, model: ShardedModel, unit: _Unit, grads: dict[str, torch.Tensor],
+                 tag: int):
+        self.model, self.unit = model, unit
+        self.replicated = {n: grads.pop(n).detach() for n in unit.replicated if n in grads}
+        self.exchange = UnitReduce(unit, grads, model._ax, tag)
 
     def wait(self) -> Params:
         """This rank's shard gradients (``name -> tensor`` of the local shard shape)."""
-        model, unit, chunks = self.model, self.unit, self.handles
-        if model._ax.size > 1:
-            with stats.collective_scope(model._ax.describe(f"psum_scatter of unit {unit.label}")):
-                chunks = [_ops.wait_tensor(h) for h in chunks]
+        model, unit = self.model, self.unit
+        chunks = self.exchange.wait()
         rep = model._replicate_ax
         if rep is not None and rep.size > 1:
             with stats.collective_scope(rep.describe(f"psum of unit {unit.label}")):
@@ -860,7 +802,8 @@ class _Step:
         self.order: list[int] = []  # unit index of each call, in forward order
         self.saved: list[_Saved] = []
         self.replay_at = 0
-        self.prefetched: dict[tuple[str, int], _Gather] = {}
+        self.prefetched: dict[tuple[str, int], UnitGather] = {}
+        self.tags = TagCounter()  # message tags of this call's exchanges
         self.reducing: dict[int, _Reduce] = {}  # position -> its deferred gradient reduction
         self.finished: set[int] = set()  # positions whose deferred reduction nobody will wait
         self.kept: dict[int, Params] = {}  # unit index (-1: root) -> full params
@@ -871,15 +814,15 @@ class _Step:
         self.root_mode: UnitRecorder | UnitReplayer | None = None  # the root's remat mode
         self.root_replay: dict | None = None  # what the root's recorder saved
 
-    def gather(self, unit: _Unit) -> _Gather:
-        return _Gather(unit, self.shards, self.model._ax, self.model._place)
+    def gather(self, unit: _Unit) -> UnitGather:
+        return UnitGather(unit, self.shards, self.model._ax, self.model._place, self.tags())
 
     def reduce(self, unit: _Unit, grads: dict[str, torch.Tensor]) -> _Reduce | NoReduce:
         """Start reducing ``unit``'s full gradients (or add them to the accumulator)."""
         if self.accumulator is not None:
             self.accumulator.add(unit.index, grads, self.model._masters)
             return NoReduce()
-        return _Reduce(self.model, unit, grads)
+        return _Reduce(self.model, unit, grads, self.tags())
 
     @contextlib.contextmanager
     def unit_scope(self) -> Iterator[None]:
