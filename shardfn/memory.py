@@ -46,6 +46,7 @@ OTHER = "other"
 
 _CATEGORIES: list[str] = []  # innermost last
 _ACTIVE: list[MemoryTracker] = []  # innermost last
+_RESIZE_STORAGE = torch.ops.inductor.resize_storage_bytes_.default
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _unwrap = torch._C._functorch.get_unwrapped
 
@@ -112,7 +113,10 @@ class _AllocationMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.tracker._record(out, args, kwargs)
+        if func is _RESIZE_STORAGE:  # frees or regrows a storage in place (FSDP's trick)
+            self.tracker._resized(args[0])
+        else:
+            self.tracker._record(out, args, kwargs)
         return out
 
 
@@ -181,6 +185,24 @@ class MemoryTracker:
                 input_ids = self._input_storage_ids(args, kwargs)
             if key in input_ids:
                 continue  # in-place or view on a tensor from before the block
+            self._allocate(key, storage)
+
+    def _resized(self, t: torch.Tensor) -> None:
+        """A storage changed size in place: a counted one changes its bytes (to 0 when
+        freed); one from before the block counts from when it grows."""
+        while _is_wrapped(t):
+            t = _unwrap(t)
+        if self.device_type is not None and t.device.type != self.device_type:
+            return
+        storage = t.untyped_storage()
+        key = id(storage)
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is not None:
+                self._add(key, storage.nbytes() - entry[1], entry[2])
+                self._live[key] = (entry[0], storage.nbytes(), entry[2])
+                return
+        if storage.nbytes() > 0:
             self._allocate(key, storage)
 
     def _input_storage_ids(self, args, kwargs) -> set[int]:

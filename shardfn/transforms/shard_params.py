@@ -160,6 +160,8 @@ class ShardedModel:
     precision: Precision | None
     offload: OffloadPolicy | None
     remat: Policy | None
+    _policy: Policy | None  # what UnitRecorder records (None: nothing)
+    _save: bool  # units keep their activations: backward runs the vjp built in forward
     _units: tuple[_Unit, ...]
     _root: _Unit
     _ax: _comm.Axis
@@ -464,8 +466,9 @@ def shard_params(
     if remat is not None and not callable(remat):
         raise TypeError(f"remat must be a policy (op, name) -> bool, e.g. "
                         f"sf.checkpoint_policies.dots_saveable; got {remat!r}")
-    if remat is nothing_saveable:
-        remat = None  # the same: every unit is recomputed whole, nothing to record
+    # None: keep every activation (no recompute); nothing_saveable: recompute each unit whole
+    # (nothing to record); another policy: record what it saves, recompute the rest
+    policy = None if remat is None or remat is nothing_saveable else remat
     place = Placement.of(precision, offload)
     ax = _comm.resolve(axis, mesh)
     replicate_ax = None
@@ -495,7 +498,7 @@ def shard_params(
         reshard_after_forward=bool(reshard_after_forward), prefetch=prefetch,
         grad_reduce=grad_reduce, precision=precision,
         offload=OffloadPolicy(place.storage, place.compute, place.pin) if place.offload else None,
-        remat=remat, _units=unit_plans, _root=root, _ax=ax,
+        remat=remat, _policy=policy, _save=remat is None, _units=unit_plans, _root=root, _ax=ax,
         _replicate_ax=replicate_ax, _all_ax=all_ax,
         _scale=1.0 / all_ax.size if grad_reduce == "mean" else 1.0,
         _local_shapes=local_shapes, _buffer_set=frozenset(model.buffer_names),
@@ -783,6 +786,8 @@ class _Saved:
     rng_before: Any
     rng_after: Any
     replay: dict | None = None  # the remat policy's saved op outputs inside the unit
+    vjp_fn: Callable | None = None  # activations kept (remat=None): the unit's vjp
+    gather: UnitGather | None = None  # its full parameters (storage released until backward)
 
 
 class _Step:
@@ -834,20 +839,28 @@ class _Step:
                 yield
 
     # ---- gathering, with prefetch ----------------------------------------------------------
-    def gathered(self, unit: _Unit, phase: str, position: int) -> Params:
-        """Full parameters of ``unit`` for its call at ``position``; prefetch the next ones."""
+    def gathered(self, unit: _Unit, phase: str,
+                 position: int) -> tuple[Params, UnitGather | None]:
+        """Full parameters of ``unit`` for its call at ``position``, and their gather (None
+        when kept from forward); prefetch the next ones."""
         if unit.index in self.kept:
-            return self.kept[unit.index]
+            return self.kept[unit.index], None
         pending = self.prefetched.pop((phase, position), None)
         if pending is None or pending.unit is not unit:
             if pending is not None:
                 pending.wait()  # a wrong guess: complete it and drop it
-            pending = self.gather(unit)
+            pending = self.start_gather(unit, phase, position)
         full = pending.wait()
         self.prefetch(phase, position)
         if self.keep and phase == "forward":
             self.kept[unit.index] = full
-        return full
+        return full, pending
+
+    def start_gather(self, unit: _Unit, phase: str, position: int) -> UnitGather:
+        """Issue the gather for a call: in backward, into the storage its forward kept."""
+        if phase == "backward" and self.saved[position].gather is not None:
+            return self.saved[position].gather.start(self.shards, self.tags())
+        return self.gather(unit)
 
     def prefetch(self, phase: str, position: int) -> None:
         model = self.model
@@ -860,7 +873,7 @@ class _Step:
                                                         -1) if q >= 0]
         for q, index in ahead:
             if (phase, q) not in self.prefetched and index not in self.kept:
-                self.prefetched[(phase, q)] = self.gather(model._units[index])
+                self.prefetched[(phase, q)] = self.start_gather(model._units[index], phase, q)
 
     def drop_prefetched(self) -> None:
         for pending in self.prefetched.values():
@@ -900,8 +913,8 @@ class _Step:
         self.root_plain = {**full, **{n: self.local[n] for n in root.replicated}}
         self.rng_root = _rng_state()
         params = self.params_for(root, self.root_plain)
-        if self.record and model.remat is not None:
-            self.root_mode = UnitRecorder(model.remat, params)
+        if self.record and model._policy is not None:
+            self.root_mode = UnitRecorder(model._policy, params)
         try:
             with _active(self), self.root_mode or contextlib.nullcontext():
                 out = _call(root, params, args, kwargs)
@@ -927,21 +940,54 @@ class _Step:
         position = len(self.order)
         self.order.append(unit.index)
         rng_before = _rng_state()
-        full = self.gathered(unit, "forward", position)
-        params = self.params_for(unit, full)
-        recorder = None
-        if self.record and self.model.remat is not None:
-            recorder = UnitRecorder(self.model.remat, params)
-        with recorder or contextlib.nullcontext():
-            out = _call(unit, params, args, kwargs)
-        del full, params
+        full, gather = self.gathered(unit, "forward", position)
+        vjp_fn, recorder = None, None
+        if self.record and self.model._save:
+            out, vjp_fn = self.forward_saving(unit, full, args, kwargs)
+            if not self.keep:  # autograd holds the parameters: free their storage instead
+                gather.release()
+            else:
+                gather = None
+        else:
+            gather = None
+            params = self.params_for(unit, full)
+            if self.record and self.model._policy is not None:
+                recorder = UnitRecorder(self.model._policy, params)
+            with recorder or contextlib.nullcontext():
+                out = _call(unit, params, args, kwargs)
+            del params
+        del full
         if self.keep:
             self.kept_uses[unit.index] = self.kept_uses.get(unit.index, 0) + 1
         if self.record:
             spec, tensors = _TreeSpec.of(out)
             self.saved.append(_Saved(tensors, [t._version for t in tensors], spec, rng_before,
-                                     _rng_state(), recorder.finish() if recorder else None))
+                                     _rng_state(), recorder.finish() if recorder else None,
+                                     vjp_fn, gather))
         return out
+
+    def forward_saving(self, unit: _Unit, full: Params, args: tuple,
+                       kwargs: dict) -> tuple[Any, Callable]:
+        """Run a unit under ``torch.func.vjp`` (w.r.t. its trainable leaves and floating
+        inputs): its output, and the vjp its backward calls (no recompute)."""
+        values = {**self.local, **self.root_plain, **full}
+        train = {n: values[n] for n in unit.grad_inputs}
+        spec, tensors = _TreeSpec.of((args, kwargs))
+        floats = {i: t for i, t in enumerate(tensors) if _is_float(t)}
+        box: dict[str, Any] = {}
+
+        def run(train: Params, floats: dict) -> tuple:
+            a, kw = spec.build([floats.get(i, t) for i, t in enumerate(tensors)])
+            box["spec"], outs = _TreeSpec.of(_call(unit, self.params_for(unit, full, train), a,
+                                                   kw))
+            box["float"] = [_is_float(o) for o in outs]
+            return (tuple(o for o, f in zip(outs, box["float"], strict=True) if f),
+                    [o for o, f in zip(outs, box["float"], strict=True) if not f])
+
+        float_out, vjp_fn, rest = torch.func.vjp(run, train, floats, has_aux=True)
+        float_out, rest = iter(float_out), iter(rest)
+        return box["spec"].build([next(float_out) if f else next(rest)
+                                  for f in box["float"]]), vjp_fn
 
     def replay_unit(self, unit: _Unit, args: tuple, kwargs: dict) -> Any:
         position = self.replay_at
@@ -1032,33 +1078,27 @@ class _Step:
     def backward_unit(self, position: int, arg_spec: _TreeSpec, arg_tensors, grads,
                       outputs_float, needs_grad) -> tuple:
         unit = self.model._units[self.order[position]]
-        full = self.gathered(unit, "backward", position)
+        full, _ = self.gathered(unit, "backward", position)
         if unit.index in self.kept:
             self.kept_uses[unit.index] -= 1
             if not self.kept_uses[unit.index]:
                 del self.kept[unit.index]
-        values = {**self.local, **self.root_plain, **full}
-        train = {n: values[n] for n in unit.grad_inputs}
         later = self.later_names(position)
         n_inputs = len(unit.grad_inputs) + len(later)
-        float_args = {i: t for i, t in enumerate(arg_tensors)
-                      if t.is_floating_point() and needs_grad[n_inputs + i]}
         cotangents = tuple(g for g, f in zip(grads, outputs_float, strict=True) if f)
-
         saved = self.saved[position]
-
-        def recompute(train, float_args):
-            args, kwargs = arg_spec.build([float_args.get(i, t) for i, t in enumerate(arg_tensors)])
-            replayer = UnitReplayer(saved.replay) if saved.replay is not None else None
-            with _forked_rng(saved.rng_before), replayer or contextlib.nullcontext():
-                out = _call(unit, self.params_for(unit, full, train), args, kwargs)
-            return _float_outputs(out, outputs_float)
-
-        _, vjp_fn = torch.func.vjp(recompute, train, float_args)
-        saved.replay = None  # the recompute has what it needs
-        g_train, g_args = vjp_fn(cotangents)
-        del vjp_fn
-        full = values = train = None  # noqa: F841 - the unit's full parameters go here
+        if saved.vjp_fn is not None:  # activations kept: the forward's vjp, on refilled params
+            g_train, g_args = saved.vjp_fn(cotangents)
+            g_train = dict(g_train)
+            saved.vjp_fn = None
+            if saved.gather is not None:
+                saved.gather.release()
+                saved.gather = None
+        else:
+            g_train, g_args = self.recompute_vjp(unit, saved, full, arg_spec, arg_tensors,
+                                                 cotangents, outputs_float,
+                                                 needs_grad[n_inputs:])
+        full = None
         external = {n: g_train.pop(n).detach() for n in unit.external if n in g_train}
         reduce = self.reduce(unit, g_train)
         # the next call's reduction, issued in its backward (which ran just before this one)
@@ -1076,7 +1116,29 @@ class _Step:
             own = {}
         grad_inputs = [external[n] if n in external else own.get(n) for n in unit.grad_inputs]
         return (*grad_inputs, *[later_grads.get(n) for n in later],
-                *[g_args.get(i) for i in range(len(arg_tensors))])
+                *[g_args.get(i) if needs_grad[n_inputs + i] else None
+                  for i in range(len(arg_tensors))])
+
+    def recompute_vjp(self, unit: _Unit, saved: _Saved, full: Params, arg_spec: _TreeSpec,
+                      arg_tensors, cotangents, outputs_float, needs_grad) -> tuple[dict, dict]:
+        """Recompute a unit call under ``torch.func.vjp`` (replaying what its policy
+        recorded, with the forward's RNG state) and apply it to ``cotangents``."""
+        values = {**self.local, **self.root_plain, **full}
+        train = {n: values[n] for n in unit.grad_inputs}
+        float_args = {i: t for i, t in enumerate(arg_tensors)
+                      if t.is_floating_point() and needs_grad[i]}
+
+        def recompute(train, float_args):
+            args, kwargs = arg_spec.build([float_args.get(i, t) for i, t in enumerate(arg_tensors)])
+            replayer = UnitReplayer(saved.replay) if saved.replay is not None else None
+            with _forked_rng(saved.rng_before), replayer or contextlib.nullcontext():
+                out = _call(unit, self.params_for(unit, full, train), args, kwargs)
+            return _float_outputs(out, outputs_float)
+
+        _, vjp_fn = torch.func.vjp(recompute, train, float_args)
+        saved.replay = None  # the recompute has what it needs
+        g_train, g_args = vjp_fn(cotangents)
+        return dict(g_train), g_args
 
 
 class _RootFn(torch.autograd.Function):

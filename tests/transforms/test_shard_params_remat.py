@@ -163,7 +163,7 @@ def _counts_on_rank(n: int):
     x = torch.randn(8, d, generator=torch.Generator().manual_seed(rank))
     mesh = sf.Mesh({"dp": n})
     out = {}
-    for label in ("default", "dots_saveable", "everything_saveable"):
+    for label in ("default", "nothing_saveable", "dots_saveable", "everything_saveable"):
         model = shard_params(fmodel, mesh, units=Block, remat=POLICIES[label])
         shards = model.init(0)
         loss = lambda p, model=model: model.apply(p, x).square().mean()  # noqa: E731
@@ -190,26 +190,31 @@ def _counts_on_rank(n: int):
 @pytest.mark.parametrize("n", [1, 3])
 def test_saved_ops_are_not_recomputed_and_cost_memory(worlds, n):
     for out, unit, boundary in worlds(n).run(_counts_on_rank, n):
-        default, dots, every = out["default"], out["dots_saveable"], out["everything_saveable"]
-        for res in (dots, every):
-            assert_close(res["grads"], default["grads"])
-            assert_close(res["autograd"], default["grads"])
-        fwd = default["forward_dots"]
+        keep, full = out["default"], out["nothing_saveable"]
+        dots, every = out["dots_saveable"], out["everything_saveable"]
+        for res in (full, dots, every):
+            assert_close(res["grads"], keep["grads"])
+            assert_close(res["autograd"], keep["grads"])
+        fwd = full["forward_dots"]
         assert fwd == 6  # 2 linears in the root, 2 in each block
         # full recompute: every forward matmul runs again in backward
-        backward = default["step_dots"] - 2 * fwd
+        backward = full["step_dots"] - 2 * fwd
         assert backward > 0
         # saving matmul outputs (or everything): forward matmuls run once, backward the same
         assert dots["step_dots"] == every["step_dots"] == fwd + backward
+        # the default keeps each unit's activations; the root (2 matmuls) is recomputed
+        assert keep["step_dots"] == fwd + backward + 2
         # tanh is not a dot: dots_saveable recomputes it, everything_saveable does not
-        assert default["step_tanh"] == dots["step_tanh"] == 2 * default["forward_tanh"]
-        assert every["step_tanh"] == every["forward_tanh"] == 2
+        assert full["step_tanh"] == dots["step_tanh"] == 2 * full["forward_tanh"]
+        assert every["step_tanh"] == every["forward_tanh"] == keep["step_tanh"] == 2
         # the trade-off: what forward leaves for backward grows with what the policy saves
-        assert default["kept"] < dots["kept"] < every["kept"]
+        assert full["kept"] < dots["kept"] < every["kept"]
+        assert full["kept"] < keep["kept"]
         # ... by activations only: a block's full parameters (32 x a boundary activation)
-        # are never among them
-        assert every["kept"] - default["kept"] < unit, (every["kept"], default["kept"], unit)
-        assert every["kept"] - default["kept"] >= 6 * boundary  # the 6 matmul outputs at least
+        # are never among them (the default frees their storage until backward)
+        for res in (every, keep):
+            assert res["kept"] - full["kept"] < unit, (res["kept"], full["kept"], unit)
+            assert res["kept"] - full["kept"] >= 6 * boundary  # the 6 matmul outputs at least
 
 
 def test_bad_remat():
