@@ -174,7 +174,7 @@ class UnitReduce:
         with no_functorch():
             for flat in unit.scatter:
                 grad0 = grads[flat.names[0]]
-                chunk = torch.zeros(flat.chunk, dtype=flat.dtype, device=grad0.device)
+                chunk = torch.empty(flat.chunk, dtype=flat.dtype, device=grad0.device)
                 self.chunks.append(chunk)
                 for name, shape, local, offset in zip(flat.names, flat.shapes,
                                                       flat.local_shapes, flat.offsets,
@@ -186,8 +186,10 @@ class UnitReduce:
                         lo, hi = j * numel, min((j + 1) * numel, total)
                         if lo < hi:
                             segments[j].append((leaf, lo, hi))
-                            if j == ax.index:
+                        if j == ax.index:
+                            if lo < hi:
                                 self.outs.append(chunk[offset:offset + hi - lo])
+                            chunk[offset + max(hi - lo, 0):offset + numel].zero_()  # padding
             self.plan = _plan(n, segments)
             self.exchange: Exchange | None = None
             if n > 1:
