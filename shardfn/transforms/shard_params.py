@@ -251,6 +251,9 @@ class ShardedModel:
         arg_spec, arg_tensors = _TreeSpec.of((args, kwargs))
         grad = torch.is_grad_enabled()
         step = _Step(self, arg_spec, keep=grad and not self.reshard_after_forward, record=grad)
+        # inputs a gradient may be asked for (the root's vjp is built in forward)
+        step.arg_wants = [_is_float(t) and (t.requires_grad or _is_wrapped(t))
+                          for t in arg_tensors]
         outputs = _RootFn.apply(step, *[shards[name] for name in self.names], *arg_tensors)
         out = step.out_spec.build(outputs)
         return cast_floating(out, precision.output_dtype) if precision is not None else out
@@ -818,6 +821,11 @@ class _Step:
         self.accumulator = Accumulator.current(model._token)  # reduce_once: add, don't reduce
         self.root_mode: UnitRecorder | UnitReplayer | None = None  # the root's remat mode
         self.root_replay: dict | None = None  # what the root's recorder saved
+        self.root_vjp: Callable | None = None  # activations kept: the root's vjp from forward
+        self.root_gather: UnitGather | None = None  # its parameters, released until backward
+        self.done = False  # backward ran
+        self.later_at: dict[int, tuple[str, ...]] = {}  # position -> the later_names it took
+        self.arg_wants: list[bool] = []  # per tensor argument: may need a gradient
 
     def gather(self, unit: _Unit) -> UnitGather:
         return UnitGather(unit, self.shards, self.model._ax, self.model._place, self.tags())
@@ -915,24 +923,70 @@ class _Step:
         params = self.params_for(root, self.root_plain)
         if self.record and model._policy is not None:
             self.root_mode = UnitRecorder(model._policy, params)
+        saving = self.record and model._save
         try:
-            with _active(self), self.root_mode or contextlib.nullcontext():
-                out = _call(root, params, args, kwargs)
+            if saving:
+                out = self.forward_root_saving(args, kwargs)
+            else:
+                with _active(self), self.root_mode or contextlib.nullcontext():
+                    out = _call(root, params, args, kwargs)
         finally:
             self.drop_prefetched()
+        if saving and not self.keep:  # the root's vjp holds its parameters: free the storage
+            pending.release()
+            self.root_gather = pending
         if self.root_mode is not None:
             self.root_replay, self.root_mode = self.root_mode.finish(), None
-        del params
+        del params, pending, full
         self.model._order_hint[:] = self.order
         self.root_plain = {}
         self.out_spec, outputs = _TreeSpec.of(out)
         inputs = {id(t) for t in tensors}
         return tuple(x.clone() if id(x) in inputs else x for x in outputs)
 
+    def forward_root_saving(self, args: tuple, kwargs: dict) -> Any:
+        """Run the root under ``torch.func.vjp`` (kept for backward: no recompute).
+
+        Each unit call computes first (on plain inputs, keeping its own vjp), then its
+        output enters the root's graph through ``_UnitFn`` as in a replay.
+        """
+        model, root = self.model, self.model._root
+        root_train = {n: self.root_plain[n] for n in root.grad_inputs}
+        unit_train = {n: self.shards[n] for n in model._unit_trainable}
+        spec, tensors = _TreeSpec.of((args, kwargs))
+        floats = {i: t for i, t in enumerate(tensors) if self.arg_wants[i]}
+        box: dict[str, Any] = {}
+
+        def run(root_train: Params, unit_train: Params, floats: dict) -> tuple:
+            a, kw = spec.build([floats.get(i, t) for i, t in enumerate(tensors)])
+            self.mode, self.replay_at, self.overrides = "forward+replay", 0, unit_train
+            self.root_values = {**self.root_plain, **root_train}
+            try:
+                with _active(self):
+                    out = _call(root, self.params_for(root, self.root_values), a, kw)
+            finally:
+                self.mode = "forward"
+            box["spec"], outs = _TreeSpec.of(out)
+            box["float"] = [_is_float(o) for o in outs]
+            return (tuple(o for o, f in zip(outs, box["float"], strict=True) if f),
+                    [o for o, f in zip(outs, box["float"], strict=True) if not f])
+
+        float_out, self.root_vjp, rest = torch.func.vjp(run, root_train, unit_train, floats,
+                                                        has_aux=True)
+        self.root_values, self.overrides = {}, {}
+        self.check_guesses()
+        float_out, rest = iter(float_out), iter(rest)
+        return box["spec"].build([next(float_out) if f else next(rest) for f in box["float"]])
+
     def call_unit(self, index: int, args: tuple, kwargs: dict) -> Any:
         unit = self.model._units[index]
         with self.unit_scope():
             if self.mode == "replay":
+                return self.replay_unit(unit, args, kwargs)
+            if self.mode == "forward+replay":  # compute on plain inputs, then join the graph
+                spec, tensors = _TreeSpec.of((args, kwargs))
+                with _outside_root_vjp():  # the unit's vjp nests as it would in backward
+                    self.forward_unit(unit, *spec.build(_plain(tensors)))
                 return self.replay_unit(unit, args, kwargs)
             return self.forward_unit(unit, args, kwargs)
 
@@ -1008,7 +1062,8 @@ class _Step:
             )
         values = {**self.root_values, **self.overrides}
         arg_spec, arg_tensors = _TreeSpec.of((args, kwargs))
-        inputs = [values[name] for name in unit.grad_inputs + self.later_names(position)]
+        self.later_at[position] = later = self.later_names(position)
+        inputs = [values[name] for name in unit.grad_inputs + later]
         outputs = _UnitFn.apply(self, position, arg_spec, *inputs, *arg_tensors)
         saved.outputs = []  # the replayed outputs now own the storage
         _set_rng_state(saved.rng_after)
@@ -1020,16 +1075,30 @@ class _Step:
         The reduce-scatter a unit call issues in its backward is waited in the backward of
         the call before it (which runs next), so it overlaps with that call's recompute.
         """
-        if position + 1 >= len(self.order):
-            return ()
-        return self.model._units[self.order[position + 1]].owned_grads
+        if self.mode == "forward+replay":  # the next call has not happened yet: guess it
+            guess = self.model._order_hint or list(range(len(self.model._units)))
+            following = guess[position + 1] if position + 1 < len(guess) else None
+        else:
+            following = self.order[position + 1] if position + 1 < len(self.order) else None
+        return () if following is None else self.model._units[following].owned_grads
+
+    def check_guesses(self) -> None:
+        """After a forward that guessed each call's successor: a call whose predecessor
+        guessed wrong waits for its own reduction (nobody else would return it)."""
+        for position in range(len(self.order) - 1):
+            actual = self.model._units[self.order[position + 1]].owned_grads
+            if self.later_at.get(position) != actual:
+                self.finished.add(position + 1)
 
     # ---- backward --------------------------------------------------------------------------
     def backward_root(self, arg_tensors, grads, outputs_float, needs_grad) -> tuple:
         model, root = self.model, self.model._root
-        if self.mode == "replay":
+        if self.mode == "replay" or self.done:
             raise RuntimeError("shard_params: backward through one apply() call can run only "
                                "once (it frees what it saved); call model.apply again")
+        self.done = True
+        if self.root_vjp is not None:
+            return self.backward_root_saved(arg_tensors, grads, outputs_float, needs_grad)
         full = self.kept.pop(-1, None)
         if full is None:
             pending = self.gather(root)
@@ -1060,10 +1129,33 @@ class _Step:
 
         _, vjp_fn = torch.func.vjp(recompute, root_train, unit_train, float_args)
         g_root, g_units, g_args = vjp_fn(cotangents)
+        del vjp_fn, full, root_train
+        return self.finish_backward(g_root, g_units, g_args, len(arg_tensors))
+
+    def backward_root_saved(self, arg_tensors, grads, outputs_float, needs_grad) -> tuple:
+        """Backward of a forward that kept its vjp: refill the root's parameters, run it."""
+        kept = self.kept.pop(-1, None)
+        if kept is None:
+            self.root_gather.start(self.shards, self.tags())
+            self.prefetch("backward", len(self.order))
+            self.root_gather.wait()
+        cotangents = tuple(g for g, f in zip(grads, outputs_float, strict=True) if f)
+        g_root, g_units, g_args = self.root_vjp(cotangents)
+        self.root_vjp = None
+        if self.root_gather is not None:
+            self.root_gather.release()
+            self.root_gather = None
+        n_leaves = len(self.model.names)
+        g_args = {i: g for i, g in g_args.items() if needs_grad[n_leaves + i]}
+        return self.finish_backward(g_root, g_units, g_args, len(arg_tensors))
+
+    def finish_backward(self, g_root, g_units, g_args, n_args: int) -> tuple:
+        """Reduce the root's gradients, collect the units' and return the leaves' grads."""
+        model, root = self.model, self.model._root
         self.drop_prefetched()
         self.root_values, self.overrides, self.root_plain, self.saved = {}, {}, {}, []
         self.root_replay = None
-        del vjp_fn, full, root_train
+        g_units = dict(g_units)
         root_reduce = self.reduce(root, dict(g_root))
         for pending in self.reducing.values():  # the first call's, and any left unclaimed
             for name, grad in pending.wait().items():
@@ -1073,7 +1165,7 @@ class _Step:
         trainable = model._trainable_set
         leaf_grads = [(reduced[n] if n in reduced else g_units.get(n)) if n in trainable else None
                       for n in model.names]
-        return (*leaf_grads, *[g_args.get(i) for i in range(len(arg_tensors))])
+        return (*leaf_grads, *[g_args.get(i) for i in range(n_args)])
 
     def backward_unit(self, position: int, arg_spec: _TreeSpec, arg_tensors, grads,
                       outputs_float, needs_grad) -> tuple:
@@ -1083,7 +1175,7 @@ class _Step:
             self.kept_uses[unit.index] -= 1
             if not self.kept_uses[unit.index]:
                 del self.kept[unit.index]
-        later = self.later_names(position)
+        later = self.later_at[position]
         n_inputs = len(unit.grad_inputs) + len(later)
         cotangents = tuple(g for g, f in zip(grads, outputs_float, strict=True) if f)
         saved = self.saved[position]
@@ -1173,7 +1265,7 @@ class _UnitFn(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         step, position, arg_spec = inputs[:3]
         unit = step.model._units[step.order[position]]
-        n_inputs = len(unit.grad_inputs) + len(step.later_names(position))
+        n_inputs = len(unit.grad_inputs) + len(step.later_at[position])
         ctx.step, ctx.position, ctx.arg_spec = step, position, arg_spec
         ctx.save_for_backward(*inputs[3 + n_inputs:])
         ctx.outputs_float = [_is_float(o) for o in output]
@@ -1204,6 +1296,9 @@ def _plain(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
     return out
 
 
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
 def _is_float(x: torch.Tensor) -> bool:
     return x.is_floating_point() or x.is_complex()
 
@@ -1220,6 +1315,13 @@ def _active(step: _Step) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.remove(step)
+
+
+def _outside_root_vjp():
+    """Leave the root's ``torch.func.vjp`` level while a unit computes in forward."""
+    from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack
+
+    return temporarily_pop_interpreter_stack()
 
 
 def _rng_state() -> tuple:

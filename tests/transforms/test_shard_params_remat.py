@@ -202,8 +202,8 @@ def test_saved_ops_are_not_recomputed_and_cost_memory(worlds, n):
         assert backward > 0
         # saving matmul outputs (or everything): forward matmuls run once, backward the same
         assert dots["step_dots"] == every["step_dots"] == fwd + backward
-        # the default keeps each unit's activations; the root (2 matmuls) is recomputed
-        assert keep["step_dots"] == fwd + backward + 2
+        # the default keeps every activation: nothing is recomputed
+        assert keep["step_dots"] == fwd + backward
         # tanh is not a dot: dots_saveable recomputes it, everything_saveable does not
         assert full["step_tanh"] == dots["step_tanh"] == 2 * full["forward_tanh"]
         assert every["step_tanh"] == every["forward_tanh"] == keep["step_tanh"] == 2
