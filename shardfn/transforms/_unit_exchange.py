@@ -119,17 +119,25 @@ class UnitGather:
                 nbytes = buffer.numel() * buffer.element_size()
                 if buffer.untyped_storage().nbytes() != nbytes:
                     _resize(buffer, nbytes)
-            own = []
+            # send each shard as it is when it has the compute dtype (and copy it in while
+            # the exchange runs); cast it into place first otherwise
+            own, later = [], []
             for name, (k, lo, hi) in zip(self.own, self.plan.blocks[ax.index], strict=True):
-                piece = self.buffers[k][lo:hi]
-                piece.copy_(self.place.to_compute(shards[name]).reshape(-1))  # casts
-                own.append(piece)
+                piece, source = self.buffers[k][lo:hi], self.place.to_compute(shards[name])
+                if source.dtype == piece.dtype and ax.size > 1:
+                    own.append(source.reshape(-1))
+                    later.append((piece, own[-1]))
+                else:
+                    piece.copy_(source.reshape(-1))  # casts
+                    own.append(piece)
             if ax.size > 1:
                 for flat in unit.gather:
                     stats.record(ax.key, "all_gather",
                                  flat.chunk * flat.dtype.itemsize * (ax.size - 1))
                 self.exchange = start_all_gather(self.plan, own, self.buffers, ax, tag=tag,
                                                  what=f"all_gather of unit {unit.label}")
+            for piece, source in later:
+                piece.copy_(source)
         return self
 
     def wait(self) -> dict[str, torch.Tensor]:
