@@ -433,7 +433,8 @@ def _post(ops: list, description: str, received: list[list[torch.Tensor]]) -> Ex
 
 
 def start_reduce_scatter(plan: BucketPlan, flats: Sequence[torch.Tensor], ax: Axis, *,
-                         tag: int = 0, what: str = "psum_scatter") -> Exchange:
+                         tag: int = 0, what: str = "psum_scatter",
+                         outs: Sequence[torch.Tensor] | None = None) -> Exchange:
     """Start the reduce-scatter of one bucket: send every other rank its block, read from
     ``flats``, and receive their values of this rank's block.
 
@@ -446,6 +447,9 @@ def start_reduce_scatter(plan: BucketPlan, flats: Sequence[torch.Tensor], ax: Ax
         ax: the axis (size > 1).
         tag: message tag (distinct per bucket in flight on gloo).
         what: name for hang reports.
+        outs: the tensors :func:`finish_reduce_scatter` will write (one per piece of this
+            rank's block, not aliasing ``flats``): the first other rank's values are then
+            received straight into them, saving a buffer.
 
     Returns:
         The :class:`Exchange` in flight.
@@ -457,7 +461,10 @@ def start_reduce_scatter(plan: BucketPlan, flats: Sequence[torch.Tensor], ax: Ax
         if j == ax.index:
             continue
         for p, (leaf, lo, hi) in enumerate(mine):
-            buf = torch.empty(hi - lo, dtype=flats[leaf].dtype, device=flats[leaf].device)
+            if outs is not None and not received[p]:
+                buf = outs[p]
+            else:
+                buf = torch.empty(hi - lo, dtype=flats[leaf].dtype, device=flats[leaf].device)
             received[p].append(buf)
             ops.append(dist.P2POp(dist.irecv, buf, group=ax.group, group_peer=j, tag=tag))
     for j in _ring(ax):
@@ -486,7 +493,10 @@ def finish_reduce_scatter(plan: BucketPlan, flats: Sequence[torch.Tensor], excha
     exchange.wait()
     for p, ((leaf, lo, hi), out) in enumerate(zip(plan.blocks[ax.index], outs, strict=True)):
         others = exchange.received[p]
-        torch.add(flats[leaf][lo:hi], others[0], out=out)
+        if others[0] is out:  # received in place: a + b == b + a, the same sum
+            out.add_(flats[leaf][lo:hi])
+        else:
+            torch.add(flats[leaf][lo:hi], others[0], out=out)
         for term in others[1:]:
             out.add_(term)
         if divide_by is not None:

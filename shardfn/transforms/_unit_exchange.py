@@ -205,7 +205,8 @@ class UnitReduce:
                     stats.record(ax.key, "psum_scatter",
                                  flat.chunk * flat.dtype.itemsize * (n - 1))
                 self.exchange = start_reduce_scatter(self.plan, self.leaves, ax, tag=tag,
-                                                     what=f"psum_scatter of unit {unit.label}")
+                                                     what=f"psum_scatter of unit {unit.label}",
+                                                     outs=self.outs)
 
     def wait(self) -> list[torch.Tensor]:
         """This rank's summed shard of every flat (``unit.scatter``), zero-padded."""
