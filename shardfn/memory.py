@@ -6,8 +6,10 @@ run inside the block: plain ops, ops inside autograd backward, inside
 outputs of collectives. Each output whose storage is new (not one of the op's
 inputs' storages, not already counted) is counted once, with the category that
 was innermost when it was made, and a weak reference to its storage subtracts it
-again when the storage is freed. Views share their base's storage, so they count
-once; a tensor kept alive by autograd stays counted until the graph releases it.
+again when the storage is freed (or resized in place with
+``torch.ops.inductor.resize_storage_bytes_``: 0 bytes counts as freed). Views
+share their base's storage, so they count once; a tensor kept alive by autograd
+stays counted until the graph releases it.
 
 What is counted: storages created by torch ops inside the block, on any device
 (or only ``device=`` ones). Not counted: tensors that existed before the block

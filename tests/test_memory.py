@@ -63,6 +63,23 @@ def test_resize_in_place_updates_size():
     assert t.current_bytes == 400
 
 
+def test_storage_resize_frees_and_regrows():
+    """FSDP's trick: a storage resized to 0 bytes is freed, and counted again when regrown."""
+    resize = torch.ops.inductor.resize_storage_bytes_
+    before = torch.zeros(256)  # made outside the block: counted only once it grows inside
+    with mem.track() as t:
+        a = torch.zeros(1000)
+        alias = torch.empty(0).set_(a.untyped_storage(), 0, (1000,))
+        resize(a, 0)
+        mem.mark("freed")
+        resize(a, 4000)
+        resize(before, 0)
+        resize(before, 1024)
+    assert t.marks["freed"] == 0
+    assert t.peak_bytes == t.current_bytes == 4000 + 1024
+    del alias
+
+
 def test_categories_innermost_wins_and_peak_breakdown():
     with mem.track() as t:
         with mem.category("params"):

@@ -7,24 +7,26 @@ it directly and its state is ``1/N`` too. 0-dim parameters and buffers are
 replicated (``P()``).
 
 The model is cut into *units* (submodules chosen by ``units=``; what lies
-outside every unit is the *root unit*). ``apply`` runs the root's forward; each
-unit call inside it all-gathers that unit's shards (one flat collective per
-unit and dtype), computes, and frees the full parameters again. Under autograd
-the whole call is one ``autograd.Function`` (``_RootFn``) whose backward
+outside every unit is the *root unit*). ``apply`` is one ``autograd.Function``
+(``_RootFn``). Its forward gathers the root's parameters and runs the root's
+forward, recording a plain autograd graph; each unit call inside it all-gathers
+that unit's shards (point-to-point, straight into the unit's full parameters:
+``_unit_exchange.py``), runs the unit recording its own graph, *releases* the
+storage of the full parameters (the graph keeps their aliases) and enters the
+root's graph through a second ``autograd.Function`` (``_UnitFn``). The backward
+runs the root's graph: each ``_UnitFn.backward`` refills its unit's parameter
+storage (all-gathers again into the same place), runs the unit's recorded
+backward and reduce-scatters the parameter gradient; finally the root's own
+gradient is reduce-scattered. Nothing is recomputed, and only the outer
+Function meets ``torch.func``, so the same code runs under ``torch.func.grad`` /
+``grad_and_value`` / ``vjp`` and plain ``loss.backward()``.
 
-1. all-gathers the root's parameters and recomputes the root's forward under
-   ``torch.func.vjp``, where every unit call *replays* the output it produced
-   in forward through a second ``autograd.Function`` (``_UnitFn``), so units
-   are not recomputed here;
-2. runs that vjp: each ``_UnitFn.backward`` all-gathers its unit again,
-   recomputes it under ``torch.func.vjp`` (with the RNG state of its forward),
-   reduce-scatters the parameter gradient and returns the shard gradient;
-3. reduce-scatters the root's own parameter gradient.
-
-That is ZeRO-3 plus activation checkpointing at unit boundaries: between
-forward and backward only shards, the model inputs and the unit outputs are
-kept. It runs under ``torch.func.grad`` / ``grad_and_value`` / ``vjp`` and
-plain ``loss.backward()`` alike, because it only uses ``_c10d_functional`` ops.
+With a ``remat=`` policy forward runs without a graph instead (recording what the
+policy saves) and backward recomputes: the root's forward under
+``torch.func.vjp`` with each unit call *replaying* its forward output, and each
+unit under ``torch.func.vjp`` with its forward's RNG state, replaying the saved
+values (``remat=nothing_saveable``: ZeRO-3 with activation checkpointing at unit
+boundaries).
 
 Overlap: while a unit computes, the all-gathers of the next ``prefetch`` units
 are in flight (forward: in the order recorded by the previous call, at first
@@ -51,8 +53,9 @@ reduce-scatter), ``2 Psi (N-1)/N`` with ``reshard_after_forward=False`` (the
 forward's full parameters are kept for backward, like ZeRO-2). Frozen
 parameters are gathered but not reduce-scattered. Memory: ``Psi / N`` of
 shards, plus up to ``prefetch + 1`` units' full parameters (and the root's),
-plus the activations at unit boundaries and one unit's inner activations. The
-root unit stays gathered through forward and through backward.
+plus two reductions in flight, plus the activations (all of them by default;
+with ``remat=nothing_saveable`` those at unit boundaries and one unit's inner
+activations). The root unit stays gathered through forward and through backward.
 
 Large-model options (helpers in ``_units.py``):
 
@@ -66,9 +69,8 @@ Large-model options (helpers in ``_units.py``):
   copied to the compute device just before its all-gather, gradient shards back after
   the reduce-scatter; bytes are counted in ``sf.comm_stats()`` under ``"h2d"``/``"d2h"``.
 * ``remat=policy``: the unit's (and root's) forward records the outputs the policy saves
-  (never values computed from the gathered parameters alone) and the backward replays
-  them instead of recomputing; ``everything_saveable`` is JAX's FSDP ("save everything
-  but the all-gathered parameters").
+  (never values computed from the gathered parameters alone) and the backward recomputes
+  the rest, replaying them; ``nothing_saveable`` recomputes each unit whole.
 * ``model.accumulate_grads(loss_fn, k, mode)``: ``k`` micro-batches per step with one
   reduce-scatter per unit (``"reduce_once"``: full gradients accumulate locally) or
   ``k`` of them (``"reduce_each"``: shard gradients accumulate).
@@ -434,10 +436,11 @@ def shard_params(
             copied to the compute device just before its all-gather, and the shard
             gradients back after the reduce-scatter (counted in ``sf.comm_stats()``
             under ``"h2d"`` / ``"d2h"``).
-        remat: a policy of ``sf.checkpoint_policies`` for each unit's (and the root's)
+        remat: None (default): keep every activation backward needs (no recompute).
+            A policy of ``sf.checkpoint_policies`` for each unit's (and the root's)
             activations: forward keeps the outputs the policy saves (never values
-            computed from parameters alone) and backward replays them instead of
-            recomputing; None (default): recompute the whole unit.
+            computed from parameters alone) and backward recomputes the rest;
+            ``nothing_saveable`` recomputes each unit whole (least memory).
 
     Returns:
         A :class:`ShardedModel`.
@@ -452,8 +455,9 @@ def shard_params(
         >>> out = model.apply(shards, x)
 
     Communication per step: ``3 Psi (N-1)/N`` bytes per rank (``2 Psi (N-1)/N`` without
-    resharding), in one all-gather / reduce-scatter per unit and dtype. Memory: shards
-    plus ``prefetch + 1`` units' full parameters, plus unit-boundary activations.
+    resharding), in one all-gather / reduce-scatter per unit. Memory: shards plus
+    ``prefetch + 1`` units' full parameters, two reductions in flight, and the
+    activations ``remat`` keeps.
     """
     if isinstance(model, nn.Module):
         raise TypeError("shard_params takes a functional model: shard_params(sf.functional("

@@ -583,3 +583,44 @@ def test_bad_inputs_are_named(worlds):
         assert "local shape" in messages["other mesh"]
         assert "missing ['pos']" in messages["missing leaf"]
         assert "expected (7, 4)" in messages["shards to fmodel"]
+
+
+class InPlaceAfterUnit(nn.Module):
+    """Updates a unit's output in place (``h.mul_(2)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block(4, 3)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.block(x)
+        h.mul_(2.0)
+        return self.out(h)
+
+
+def test_misuse_at_run_time_is_named():
+    torch.manual_seed(0)
+    fmodel = sf.functional(InPlaceAfterUnit())
+    params = fmodel.init(0)
+    x = torch.randn(3, 4)
+    mesh = sf.Mesh({"dp": 1})
+    reference = torch.func.grad(lambda p: fmodel.apply(p, x).square().sum())(params)
+    # kept activations: autograd records the in-place update like any other op
+    model = shard_params(fmodel, mesh, units=Block)
+    grads = torch.func.grad(lambda s: model.apply(s, x).square().sum())(model.shard(params))
+    assert_close(grads, reference)
+    # a recomputed unit replays its forward output, which must not have changed since
+    recompute = shard_params(fmodel, mesh, units=Block,
+                             remat=sf.checkpoint_policies.nothing_saveable)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        torch.func.grad(lambda s: recompute.apply(s, x).square().sum())(recompute.shard(params))
+    # backward through one apply() call runs once, whichever mode
+    plain = sf.functional(nn.Sequential(Block(4, 3), nn.Linear(4, 2)))
+    for remat in (None, sf.checkpoint_policies.nothing_saveable):
+        m = shard_params(plain, mesh, units=Block, remat=remat)
+        leaves = {k: v.detach().requires_grad_() for k, v in m.init(0).items()}
+        loss = m.apply(leaves, x).sum()
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="can run only once"):
+            loss.backward()
