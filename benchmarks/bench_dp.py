@@ -421,18 +421,37 @@ def _shard_params_system(ctx: Context, **options) -> System:
                   params, counts_comm=True)
 
 
-@SYSTEMS.register("sf-shard-params-saveall",
-                  "shardfn shard_params, remat=everything_saveable (no recompute)", default=False)
-def setup_sf_shard_params_saveall(ctx: Context) -> System:
-    """shard_params keeping every activation (no unit recompute in backward): more activation
-    memory (not counted in the table), one forward fewer."""
+@SYSTEMS.register("sf-shard-params-keep",
+                  "shardfn shard_params, reshard_after_forward=False (2Ψ)")
+def setup_sf_shard_params_keep(ctx: Context) -> System:
+    """shard_params keeping each unit's full parameters from forward to backward (one
+    all-gather per unit and step; the whole model is gathered during the step)."""
+    return _shard_params_system(ctx, reshard_after_forward=False)
+
+
+@SYSTEMS.register("sf-shard-params-recompute",
+                  "shardfn shard_params, remat=nothing_saveable (units recomputed)",
+                  default=False)
+def setup_sf_shard_params_recompute(ctx: Context) -> System:
+    """shard_params with activation checkpointing at unit boundaries: least activation
+    memory (not counted in the table), one more forward per step."""
     import shardfn as sf
 
-    return _shard_params_system(ctx, remat=sf.checkpoint_policies.everything_saveable)
+    return _shard_params_system(ctx, remat=sf.checkpoint_policies.nothing_saveable)
 
 
 @SYSTEMS.register("fsdp2", "torch FSDP2 fully_shard per block")
 def setup_fsdp2(ctx: Context) -> System:
+    return _fsdp2_system(ctx, reshard_after_forward=True)
+
+
+@SYSTEMS.register("fsdp2-keep", "torch FSDP2, reshard_after_forward=False")
+def setup_fsdp2_keep(ctx: Context) -> System:
+    return _fsdp2_system(ctx, reshard_after_forward=False)
+
+
+def _fsdp2_system(ctx: Context, reshard_after_forward: bool) -> System:
+    """torch FSDP2: ``fully_shard`` on each block, then on the root; torch AdamW."""
     import warnings
 
     from torch.distributed.fsdp import fully_shard
@@ -442,8 +461,8 @@ def setup_fsdp2(ctx: Context) -> System:
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
     module = ctx.make_module()
     for block in module.blocks:
-        fully_shard(block)
-    fully_shard(module)
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    fully_shard(module, reshard_after_forward=reshard_after_forward)
     opt = torch.optim.AdamW(module.parameters(), lr=ctx.cfg.lr,
                             weight_decay=ctx.cfg.weight_decay, foreach=True)
 
@@ -589,7 +608,7 @@ def rank_breakdown_zero3(args: argparse.Namespace) -> list[tuple[str, float, int
     variants = {
         "default": {},
         "reshard_after_forward=False": {"reshard_after_forward": False},
-        "remat=everything_saveable": {"remat": sf.checkpoint_policies.everything_saveable},
+        "remat=nothing_saveable": {"remat": sf.checkpoint_policies.nothing_saveable},
         "prefetch=0": {"prefetch": 0},
     }
     models = {k: sf.shard_params(fmodel, ctx.mesh, "dp", units=Block, **kw)
