@@ -44,8 +44,8 @@ from shardfn.primitives.flat import (
 )
 
 if TYPE_CHECKING:
+    from shardfn.transforms._unit_plan import Unit
     from shardfn.transforms._units import Placement
-    from shardfn.transforms.shard_params import _Unit
 
 __all__ = ["TagCounter", "UnitGather", "UnitReduce", "no_functorch"]
 
@@ -85,7 +85,7 @@ class UnitGather:
         >>> gather.release(); gather.start(shards, tag2); gather.wait()   # refilled
     """
 
-    def __init__(self, unit: _Unit, shards: Mapping[str, torch.Tensor], ax: Axis,
+    def __init__(self, unit: Unit, shards: Mapping[str, torch.Tensor], ax: Axis,
                  place: Placement, tag: int):
         self.unit, self.ax, self.place = unit, ax, place
         self.buffers: list[torch.Tensor] = []
@@ -172,7 +172,7 @@ class UnitReduce:
         >>> chunks = UnitReduce(unit, grads, ax, tag).wait()  # one flat shard per dtype
     """
 
-    def __init__(self, unit: _Unit, grads: dict[str, torch.Tensor], ax: Axis, tag: int):
+    def __init__(self, unit: Unit, grads: dict[str, torch.Tensor], ax: Axis, tag: int):
         self.ax, self.unit = ax, unit
         self.leaves: list[torch.Tensor] = []
         self.outs: list[torch.Tensor] = []  # this rank's piece of each leaf, in its chunk
