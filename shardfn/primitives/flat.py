@@ -51,6 +51,7 @@ import torch.distributed as dist
 from shardfn import pytree
 from shardfn.primitives import stats
 from shardfn.primitives._comm import Axis
+from shardfn.primitives._poster import Posting, submit
 
 __all__ = [
     "BucketPlan",
@@ -408,8 +409,9 @@ class Exchange:
             an all-gather).
     """
 
-    def __init__(self, works: list, received: list[list[torch.Tensor]], description: str):
-        self.works = works
+    def __init__(self, works: list | Posting, received: list[list[torch.Tensor]],
+                 description: str):
+        self.works = works  # or a background Posting of them
         self.received = received
         self.description = description
 
@@ -417,7 +419,8 @@ class Exchange:
         """Block until every send and receive of this bucket is done."""
         if self.works:
             with stats.collective_scope(self.description):
-                for work in self.works:
+                works = self.works.wait() if isinstance(self.works, Posting) else self.works
+                for work in works:
                     work.wait()
             self.works = []
 
@@ -427,14 +430,18 @@ def _ring(ax: Axis) -> list[int]:
     return [(ax.index + step) % ax.size for step in range(1, ax.size)]
 
 
-def _post(ops: list, description: str, received: list[list[torch.Tensor]]) -> Exchange:
+def _post(ops: list, description: str, received: list[list[torch.Tensor]],
+          background: bool = False) -> Exchange:
+    if background and ops:
+        return Exchange(submit(ops), received, description)
     works = dist.batch_isend_irecv(ops) if ops else []
     return Exchange([w for w in works if w is not None], received, description)
 
 
 def start_reduce_scatter(plan: BucketPlan, flats: Sequence[torch.Tensor], ax: Axis, *,
                          tag: int = 0, what: str = "psum_scatter",
-                         outs: Sequence[torch.Tensor] | None = None) -> Exchange:
+                         outs: Sequence[torch.Tensor] | None = None,
+                         background: bool = False) -> Exchange:
     """Start the reduce-scatter of one bucket: send every other rank its block, read from
     ``flats``, and receive their values of this rank's block.
 
@@ -450,6 +457,8 @@ def start_reduce_scatter(plan: BucketPlan, flats: Sequence[torch.Tensor], ax: Ax
         outs: the tensors :func:`finish_reduce_scatter` will write (one per piece of this
             rank's block, not aliasing ``flats``): the first other rank's values are then
             received straight into them, saving a buffer.
+        background: post from the background thread (:mod:`._poster`): the caller does
+            not stall while the connection is busy with an earlier message.
 
     Returns:
         The :class:`Exchange` in flight.
@@ -471,7 +480,7 @@ def start_reduce_scatter(plan: BucketPlan, flats: Sequence[torch.Tensor], ax: Ax
         for leaf, lo, hi in plan.blocks[j]:
             ops.append(dist.P2POp(dist.isend, flats[leaf][lo:hi], group=ax.group, group_peer=j,
                                   tag=tag))
-    return _post(ops, ax.describe(f"{what} (piece exchange)"), received)
+    return _post(ops, ax.describe(f"{what} (piece exchange)"), received, background)
 
 
 def finish_reduce_scatter(plan: BucketPlan, flats: Sequence[torch.Tensor], exchange: Exchange,
@@ -506,7 +515,7 @@ def finish_reduce_scatter(plan: BucketPlan, flats: Sequence[torch.Tensor], excha
 
 def start_all_gather(plan: BucketPlan, own: Sequence[torch.Tensor],
                      dst_flats: Sequence[torch.Tensor], ax: Axis, *, tag: int = 1,
-                     what: str = "all_gather") -> Exchange:
+                     what: str = "all_gather", background: bool = False) -> Exchange:
     """Start the all-gather of one bucket: send this rank's pieces to every other rank and
     receive theirs straight into ``dst_flats``.
 
@@ -520,6 +529,7 @@ def start_all_gather(plan: BucketPlan, own: Sequence[torch.Tensor],
         ax: the axis (size > 1).
         tag: message tag (distinct per bucket in flight on gloo).
         what: name for hang reports.
+        background: post from the background thread (see :func:`start_reduce_scatter`).
 
     Returns:
         The :class:`Exchange` in flight; the destination pieces are valid after ``wait()``.
@@ -534,4 +544,4 @@ def start_all_gather(plan: BucketPlan, own: Sequence[torch.Tensor],
     for j in _ring(ax):
         for value in own:
             ops.append(dist.P2POp(dist.isend, value, group=ax.group, group_peer=j, tag=tag))
-    return _post(ops, ax.describe(f"{what} (piece exchange)"), [])
+    return _post(ops, ax.describe(f"{what} (piece exchange)"), [], background)

@@ -135,7 +135,8 @@ class UnitGather:
                     stats.record(ax.key, "all_gather",
                                  flat.chunk * flat.dtype.itemsize * (ax.size - 1))
                 self.exchange = start_all_gather(self.plan, own, self.buffers, ax, tag=tag,
-                                                 what=f"all_gather of unit {unit.label}")
+                                                 what=f"all_gather of unit {unit.label}",
+                                                 background=True)
             for piece, source in later:
                 piece.copy_(source)
         return self
@@ -206,7 +207,7 @@ class UnitReduce:
                                  flat.chunk * flat.dtype.itemsize * (n - 1))
                 self.exchange = start_reduce_scatter(self.plan, self.leaves, ax, tag=tag,
                                                      what=f"psum_scatter of unit {unit.label}",
-                                                     outs=self.outs)
+                                                     outs=self.outs, background=True)
 
     def wait(self) -> list[torch.Tensor]:
         """This rank's summed shard of every flat (``unit.scatter``), zero-padded."""
