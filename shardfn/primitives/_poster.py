@@ -38,12 +38,13 @@ class Posting:
         self.done = threading.Event()
 
     def wait(self) -> list:
-        """Block until the batch is posted; its works (``None`` entries dropped)."""
+        """Block until the batch is posted; its works (``None`` entries dropped), handed
+        over: the posting keeps no reference to them (nor to their tensors)."""
         self.done.wait()
-        self.ops = []
+        works, self.works, self.ops = self.works, [], []
         if self.error is not None:
             raise self.error
-        return self.works
+        return works
 
 
 _QUEUE: queue.SimpleQueue[Posting] = queue.SimpleQueue()
@@ -71,3 +72,4 @@ def _run() -> None:
         except BaseException as error:  # handed to the waiter  # noqa: BLE001
             posting.error = error
         posting.done.set()
+        del posting  # hold no tensor of it while waiting for the next one
