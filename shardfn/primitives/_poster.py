@@ -71,5 +71,6 @@ def _run() -> None:
             posting.works = [w for w in dist.batch_isend_irecv(posting.ops) if w is not None]
         except BaseException as error:  # handed to the waiter  # noqa: BLE001
             posting.error = error
-        posting.done.set()
-        del posting  # hold no tensor of it while waiting for the next one
+        done = posting.done
+        del posting  # hold none of its tensors once the waiter runs, nor until the next one
+        done.set()
