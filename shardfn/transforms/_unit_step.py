@@ -493,8 +493,9 @@ class Step:
                                                  needs_grad[n_inputs:])
         full = None
         external = {n: g_train.pop(n).detach() for n in unit.external if n in g_train}
-        reduce = self.reduce(unit, g_train)
         # the next call's reduction, issued in its backward (which ran just before this one)
+        # and in flight during this one's: finished before this one's starts, so at most
+        # one reduction is in flight
         later_grads: Params = {}
         if later:
             pending = self.reducing.pop(position + 1, None)
@@ -502,6 +503,7 @@ class Step:
                 later_grads = pending.wait()
             else:  # its backward has not run (a branch): it must finish its own
                 self.finished.add(position + 1)
+        reduce = self.reduce(unit, g_train)
         if position in self.finished:
             own = reduce.wait()
         else:  # the call before this one (or the root) waits for it and returns the grads

@@ -53,7 +53,8 @@ reduce-scatter), ``2 Psi (N-1)/N`` with ``reshard_after_forward=False`` (the
 forward's full parameters are kept for backward, like ZeRO-2). Frozen
 parameters are gathered but not reduce-scattered. Memory: ``Psi / N`` of
 shards, plus up to ``prefetch + 1`` units' full parameters (and the root's),
-plus two reductions in flight, plus the activations (all of them by default;
+plus during backward the current unit's full gradient and one reduction in flight
+(the previous unit's), plus the activations (all of them by default;
 with ``remat=nothing_saveable`` those at unit boundaries and one unit's inner
 activations). The root unit stays gathered through forward and through backward.
 
@@ -453,8 +454,8 @@ def shard_params(
 
     Communication per step: ``3 Psi (N-1)/N`` bytes per rank (``2 Psi (N-1)/N`` without
     resharding), in one all-gather / reduce-scatter per unit. Memory: shards plus
-    ``prefetch + 1`` units' full parameters, two reductions in flight, and the
-    activations ``remat`` keeps.
+    ``prefetch + 1`` units' full parameters, in backward two units' full gradients
+    (one being reduced), and the activations ``remat`` keeps.
     """
     if isinstance(model, nn.Module):
         raise TypeError("shard_params takes a functional model: shard_params(sf.functional("
