@@ -667,8 +667,22 @@ def ctx_axis(ctx: Context):
 # ----------------------------------------------------------------------------- driver
 
 
+def pin_to_core(rank: int) -> None:
+    """Pin every thread of this rank (compute, gloo's, and those started later, which
+    inherit it) to core ``rank % cores``."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = {cores[rank % len(cores)]}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), core)
+        except OSError:  # a thread that just ended
+            pass
+
+
 def rank_main(args: argparse.Namespace) -> tuple[list, float]:
     torch.set_num_threads(1)
+    if args.pin:
+        pin_to_core(dist.get_rank())
     cfg = QUICK if args.quick else Config()
     ctx = Context(cfg, args.warmup + args.steps)
     log = (lambda msg: print(msg, flush=True)) if ctx.rank == 0 else (lambda msg: None)
@@ -693,6 +707,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(best of --warmup + --steps repetitions)")
     parser.add_argument("--breakdown-zero3", action="store_true",
                         help="instead of the table, time what a shard_params step is made of")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin each rank (all its threads) to its own core")
     parser.add_argument("--malloc-cache", action="store_true",
                         help="start the ranks with glibc malloc keeping freed memory (no mmap, "
                              "no trim), so fresh large tensors do not page-fault")
@@ -715,7 +731,8 @@ def main(argv: list[str] | None = None) -> None:
           f"({psi * 4 / MiB:.1f} MiB fp32); global batch {cfg.batch}x{cfg.tokens}x{cfg.d}; "
           f"AdamW(lr={cfg.lr}, wd={cfg.weight_decay}); {args.ranks} ranks, "
           f"{args.warmup}+{args.steps} steps per system, interleaved; malloc: "
-          f"{malloc or 'glibc defaults'}", flush=True)
+          f"{malloc or 'glibc defaults'}; ranks "
+          f"{'pinned to a core each' if args.pin else 'unpinned'}", flush=True)
     if args.breakdown or args.breakdown_zero3:
         fn = rank_breakdown if args.breakdown else rank_breakdown_zero3
         with local_world(args.ranks, timeout=600.0) as world:
