@@ -503,7 +503,6 @@ def rank_breakdown(args: argparse.Namespace) -> list[tuple[str, float, int]]:
     Donated phases run in place on scratch copies (the values drift, the work does not).
     Returns ``(phase, ms, minor page faults in the last repetition)`` per phase.
     """
-    import resource
 
     import shardfn as sf
     from shardfn.transforms.shard_opt_state import _all_gather  # the ZeRO all-gather alone
@@ -575,18 +574,7 @@ def rank_breakdown(args: argparse.Namespace) -> list[tuple[str, float, int]]:
             lambda: _all_gather(part, sf.pytree.tree_leaves(local_updates), param_leaves,
                                 ctx_axis(ctx), sf.pytree.tree_leaves(scratch)),
     }
-    best = dict.fromkeys(phases, float("inf"))
-    faults = dict.fromkeys(phases, 0)
-    for _ in range(args.warmup + args.steps):
-        for name, fn in phases.items():
-            dist.barrier()
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            t0 = time.perf_counter()
-            fn()
-            dist.barrier()
-            best[name] = min(best[name], time.perf_counter() - t0)
-            faults[name] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    return [(name, best[name] * 1e3, faults[name]) for name in phases]
+    return _time_phases(phases, args.warmup + args.steps)
 
 
 def rank_breakdown_zero3(args: argparse.Namespace) -> list[tuple[str, float, int]]:
@@ -594,7 +582,6 @@ def rank_breakdown_zero3(args: argparse.Namespace) -> list[tuple[str, float, int
 
     Returns ``(phase, ms, minor page faults in the last repetition)`` per phase.
     """
-    import resource
 
     import shardfn as sf
 
@@ -638,9 +625,19 @@ def rank_breakdown_zero3(args: argparse.Namespace) -> list[tuple[str, float, int
                                                               ax.group_name)),
         "one unit: dist.all_reduce in place (for scale)": lambda: dist.all_reduce(unit_flat),
     }
+    return _time_phases(phases, args.warmup + args.steps)
+
+
+def _time_phases(phases: dict, repetitions: int) -> list[tuple[str, float, int]]:
+    """Run every phase ``repetitions`` times, each between two barriers.
+
+    Returns ``(phase, best ms, minor page faults in the last repetition)`` per phase.
+    """
+    import resource
+
     best = dict.fromkeys(phases, float("inf"))
     faults = dict.fromkeys(phases, 0)
-    for _ in range(args.warmup + args.steps):
+    for _ in range(repetitions):
         for name, fn in phases.items():
             dist.barrier()
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
