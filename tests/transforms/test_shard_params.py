@@ -90,6 +90,17 @@ def make_batch(case, step: int):
 # ---------------------------------------------------------------- training on both sides
 
 
+def grads_and_loss(loss_fn, train, *args, how: str):
+    """``loss_fn``'s gradient w.r.t. ``train`` and its value, by ``torch.func.grad_and_value``
+    (``how="func"``) or by ``loss.backward()`` on leaf copies (``how="autograd"``)."""
+    if how == "func":
+        return torch.func.grad_and_value(loss_fn)(train, *args)
+    leaves = {n: t.detach().requires_grad_() for n, t in train.items()}
+    loss = loss_fn(leaves, *args)
+    loss.backward()
+    return {n: t.grad for n, t in leaves.items()}, loss
+
+
 def _train(case, sharded: bool):
     """5 AdamW steps: on the local world when sharded, else one process on the whole batch."""
     import torch.distributed as dist
@@ -124,13 +135,7 @@ def _train(case, sharded: bool):
         tokens, targets = make_batch(case, step)
         if sharded:
             tokens, targets = tokens.chunk(case["n"])[rank], targets.chunk(case["n"])[rank]
-        if case["how"] == "func":
-            grads, loss = torch.func.grad_and_value(loss_fn)(train, tokens, targets)
-        else:
-            leaves = {n: t.detach().requires_grad_() for n, t in train.items()}
-            loss = loss_fn(leaves, tokens, targets)
-            loss.backward()
-            grads = {n: t.grad for n, t in leaves.items()}
+        grads, loss = grads_and_loss(loss_fn, train, tokens, targets, how=case["how"])
         updates, state = opt.update(grads, state, train)
         train = sf.optim.apply_updates(train, updates)
         losses.append(loss.detach())

@@ -22,7 +22,13 @@ from torch.testing import assert_close
 
 import shardfn as sf
 from shardfn.transforms.shard_params import OffloadPolicy, shard_params
-from tests.transforms.test_shard_params import UNITS, Block, make_batch, make_lm
+from tests.transforms.test_shard_params import (
+    UNITS,
+    Block,
+    grads_and_loss,
+    make_batch,
+    make_lm,
+)
 
 STEPS = 3
 
@@ -59,12 +65,7 @@ def _train_on_rank(case):
         for step in range(STEPS):
             tokens, targets = (t.chunk(n)[rank] for t in make_batch(case, step))
             sf.reset_comm_stats()
-            if case["how"] == "func":
-                grads, _ = torch.func.grad_and_value(loss_fn)(train, tokens, targets)
-            else:
-                leaves = {k: t.detach().requires_grad_() for k, t in train.items()}
-                loss_fn(leaves, tokens, targets).backward()
-                grads = {k: t.grad for k, t in leaves.items()}
+            grads, _ = grads_and_loss(loss_fn, train, tokens, targets, how=case["how"])
             stats = sf.comm_stats()
             moved.append((stats.bytes.get("h2d", 0), stats.bytes.get("d2h", 0),
                           stats.calls.get("d2h", 0)))

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import shardfn as sf
-from tests.transforms.test_shard_params import UNITS, make_batch, make_lm
+from tests.transforms.test_shard_params import UNITS, grads_and_loss, make_batch, make_lm
 
 BF16 = sf.Precision(param_dtype=torch.bfloat16, output_dtype=torch.float32)
 BF16_FP32_REDUCE = sf.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -64,13 +64,7 @@ def _train_on_rank(case):
         losses = []
         for step in range(STEPS):
             tokens, targets = (t.chunk(n)[rank] for t in make_batch(case, step))
-            if case["how"] == "func":
-                grads, loss = torch.func.grad_and_value(loss_fn)(train, tokens, targets)
-            else:
-                leaves = {k: t.detach().requires_grad_() for k, t in train.items()}
-                loss = loss_fn(leaves, tokens, targets)
-                loss.backward()
-                grads = {k: t.grad for k, t in leaves.items()}
+            grads, loss = grads_and_loss(loss_fn, train, tokens, targets, how=case["how"])
             assert all(g.dtype == torch.float32 for g in grads.values()), "master dtype grads"
             updates, state = opt.update(grads, state, train)
             train = sf.optim.apply_updates(train, updates)
