@@ -176,13 +176,8 @@ class MemoryTracker:
             if storage is None:
                 continue
             key = id(storage)  # storages keep their Python object while alive
-            with self._lock:
-                entry = self._live.get(key)
-                if entry is not None:
-                    if entry[1] != storage.nbytes():  # resized in place
-                        self._add(key, storage.nbytes() - entry[1], entry[2])
-                        self._live[key] = (entry[0], storage.nbytes(), entry[2])
-                    continue
+            if self._follow_size(key, storage.nbytes()):
+                continue
             if input_ids is None:
                 input_ids = self._input_storage_ids(args, kwargs)
             if key in input_ids:
@@ -197,15 +192,20 @@ class MemoryTracker:
         if self.device_type is not None and t.device.type != self.device_type:
             return
         storage = t.untyped_storage()
-        key = id(storage)
+        if not self._follow_size(id(storage), storage.nbytes()) and storage.nbytes() > 0:
+            self._allocate(id(storage), storage)
+
+    def _follow_size(self, key: int, nbytes: int) -> bool:
+        """If storage ``key`` is counted, count it at ``nbytes`` now (it may have been
+        resized in place) and return True."""
         with self._lock:
             entry = self._live.get(key)
-            if entry is not None:
-                self._add(key, storage.nbytes() - entry[1], entry[2])
-                self._live[key] = (entry[0], storage.nbytes(), entry[2])
-                return
-        if storage.nbytes() > 0:
-            self._allocate(key, storage)
+            if entry is None:
+                return False
+            if entry[1] != nbytes:
+                self._add(key, nbytes - entry[1], entry[2])
+                self._live[key] = (entry[0], nbytes, entry[2])
+            return True
 
     def _input_storage_ids(self, args, kwargs) -> set[int]:
         ids = set()
