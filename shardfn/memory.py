@@ -94,9 +94,15 @@ def mark(name: str) -> None:
         tracker._mark(name)
 
 
-def _storage_of(t: torch.Tensor, device_type: str | None) -> torch.UntypedStorage | None:
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under any functorch wrappers."""
     while _is_wrapped(t):
         t = _unwrap(t)
+    return t
+
+
+def _storage_of(t: torch.Tensor, device_type: str | None) -> torch.UntypedStorage | None:
+    t = _unwrapped(t)
     if t.device.type == "meta" or (device_type is not None and t.device.type != device_type):
         return None
     try:
@@ -187,8 +193,7 @@ class MemoryTracker:
     def _resized(self, t: torch.Tensor) -> None:
         """A storage changed size in place: a counted one changes its bytes (to 0 when
         freed); one from before the block counts from when it grows."""
-        while _is_wrapped(t):
-            t = _unwrap(t)
+        t = _unwrapped(t)
         if self.device_type is not None and t.device.type != self.device_type:
             return
         storage = t.untyped_storage()

@@ -20,11 +20,12 @@ from shardfn.primitives.flat import all_reduce_async
 from shardfn.transforms._unit_exchange import TagCounter, UnitGather, UnitReduce, no_functorch
 from shardfn.transforms._unit_plan import ACTIVE, Unit
 from shardfn.transforms._units import Accumulator, NoReduce, UnitRecorder, UnitReplayer
+from shardfn.transforms.remat import _base
 
 if TYPE_CHECKING:
     from shardfn.transforms.shard_params import ShardedModel
 
-__all__ = ["Reduce", "RootFn", "Step", "TreeSpec", "UnitFn", "is_float", "is_wrapped"]
+__all__ = ["Reduce", "RootFn", "Step", "TreeSpec", "UnitFn"]
 
 _ops = torch.ops._c10d_functional
 
@@ -114,9 +115,14 @@ class _Saved:
 class Step:
     """The state of one ``apply`` call, shared by its forward and its backward."""
 
-    def __init__(self, model: ShardedModel, arg_spec: TreeSpec, keep: bool, record: bool):
+    def __init__(self, model: ShardedModel, arg_spec: TreeSpec,
+                 arg_tensors: Sequence[torch.Tensor], keep: bool, record: bool):
         self.model = model
         self.arg_spec = arg_spec
+        # per tensor argument: may a gradient be asked for it (the root's graph is
+        # recorded in forward, before backward says which inputs need one)
+        self.arg_wants = [is_float(t) and (t.requires_grad or is_wrapped(t))
+                          for t in arg_tensors]
         self.keep = keep  # keep full params for backward (reshard_after_forward=False)
         self.record = record  # a backward may follow: save unit outputs for replay
         self.shards: Params = {}  # plain local shards and buffers (as RootFn.forward got them)
@@ -143,7 +149,6 @@ class Step:
         self.root_gather: UnitGather | None = None  # its parameters, released until backward
         self.done = False  # backward ran
         self.later_at: dict[int, tuple[str, ...]] = {}  # position -> the later_names it took
-        self.arg_wants: list[bool] = []  # per tensor argument: may need a gradient
 
     def gather(self, unit: Unit) -> UnitGather:
         return UnitGather(unit, self.shards, self.model._ax, self.model._place, self.tags())
@@ -591,12 +596,7 @@ def _call(unit: Unit, params: Params, args: tuple, kwargs: dict) -> Any:
 
 def _plain(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
     """Strip functorch wrappers (saved tensors of a finished vjp level would trip its asserts)."""
-    out = []
-    for t in tensors:
-        while t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t):
-            t = torch._C._functorch.get_unwrapped(t)
-        out.append(None if t is None else t.detach())
-    return out
+    return [None if t is None else _base(t).detach() for t in tensors]
 
 
 is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor

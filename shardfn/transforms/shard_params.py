@@ -114,7 +114,7 @@ from shardfn.transforms._unit_plan import (
     resolve_units,
     suggest,
 )
-from shardfn.transforms._unit_step import Reduce, RootFn, Step, TreeSpec, is_float, is_wrapped
+from shardfn.transforms._unit_step import Reduce, RootFn, Step, TreeSpec
 from shardfn.transforms._units import Accumulator, OffloadPolicy, Placement
 from shardfn.transforms.accumulate import split_batch
 from shardfn.transforms.precision import Precision, cast_floating
@@ -250,10 +250,8 @@ class ShardedModel:
             args, kwargs = cast_floating((args, kwargs), precision.param_dtype)
         arg_spec, arg_tensors = TreeSpec.of((args, kwargs))
         grad = torch.is_grad_enabled()
-        step = Step(self, arg_spec, keep=grad and not self.reshard_after_forward, record=grad)
-        # inputs a gradient may be asked for (the root's vjp is built in forward)
-        step.arg_wants = [is_float(t) and (t.requires_grad or is_wrapped(t))
-                          for t in arg_tensors]
+        step = Step(self, arg_spec, arg_tensors, keep=grad and not self.reshard_after_forward,
+                    record=grad)
         outputs = RootFn.apply(step, *[shards[name] for name in self.names], *arg_tensors)
         out = step.out_spec.build(outputs)
         return cast_floating(out, precision.output_dtype) if precision is not None else out
