@@ -243,16 +243,17 @@ class Step:
             self.kept[-1] = full
         self.root_plain = {**full, **{n: self.local[n] for n in root.replicated}}
         self.rng_root = _rng_state()
-        params = self.params_for(root, self.root_plain)
-        if self.record and model._policy is not None:
-            self.root_mode = UnitRecorder(model._policy, params)
         saving = self.record and model._save
         try:
             if saving:
                 out = self.forward_root_saving(args, kwargs)
             else:
+                params = self.params_for(root, self.root_plain)
+                if self.record and model._policy is not None:
+                    self.root_mode = UnitRecorder(model._policy, params)
                 with _active(self), self.root_mode or contextlib.nullcontext():
                     out = _call(root, params, args, kwargs)
+                del params
         finally:
             self.drop_prefetched()
         if saving and not self.keep:  # the root's vjp holds its parameters: free the storage
@@ -260,7 +261,7 @@ class Step:
             self.root_gather = pending
         if self.root_mode is not None:
             self.root_replay, self.root_mode = self.root_mode.finish(), None
-        del params, pending, full
+        del pending, full
         self.model._order_hint[:] = self.order
         self.root_plain = {}
         self.out_spec, outputs = TreeSpec.of(out)
