@@ -380,7 +380,7 @@ class Step:
         """Shards of the next call's unit: their gradient comes out of this call's backward.
 
         The reduce-scatter a unit call issues in its backward is waited in the backward of
-        the call before it (which runs next), so it overlaps with that call's recompute.
+        the call before it (which runs next), so it overlaps with that call's backward.
         """
         if self.mode == "forward+replay":  # the next call has not happened yet: guess it
             guess = self.model._order_hint or list(range(len(self.model._units)))
