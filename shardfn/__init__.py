@@ -27,6 +27,7 @@ from shardfn.primitives import (
     pvary,
     reset_comm_stats,
 )
+from shardfn.primitives.consistency import ConsistencyError, check_consistency
 from shardfn.spec import Layout, P, gather, layout_of, local_shape, shard, spec_axes
 from shardfn.transforms import (
     DataParallel,
@@ -54,6 +55,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CommStats",
+    "ConsistencyError",
     "DataParallel",
     "FunctionalModel",
     "ScaleState",
@@ -75,6 +77,7 @@ __all__ = [
     "axis_index",
     "axis_size",
     "broadcast",
+    "check_consistency",
     "checkpoint_name",
     "checkpoint_policies",
     "comm_stats",
