@@ -7,7 +7,7 @@ Example:
     P('dp', None)
 """
 
-from shardfn import memory, optim, pytree
+from shardfn import distributed, memory, optim, pytree
 from shardfn.functional import FunctionalModel, ShapeDtype, functional
 from shardfn.mesh import Mesh, get_mesh, set_mesh
 from shardfn.primitives import (
@@ -82,6 +82,7 @@ __all__ = [
     "checkpoint_policies",
     "comm_stats",
     "data_parallel",
+    "distributed",
     "dynamic_loss_scale",
     "functional",
     "gather",

@@ -8,7 +8,9 @@ same mesh twice costs nothing.
 
 A world of one process needs no process group: a mesh whose axes all have size
 1 works without ``torch.distributed`` being initialised, and its collectives are
-identities.
+identities. Under a launcher (``WORLD_SIZE > 1`` in the environment, as torchrun
+sets it) a mesh refuses to be built before the process group exists: call
+``sf.distributed.initialize()`` first, or each process would silently train alone.
 
 Collectives find the mesh from ``with mesh:`` or :func:`set_mesh` (like
 ``jax.set_mesh``); an explicit ``mesh=`` keyword overrides it.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -30,7 +33,7 @@ import torch.distributed as dist
 
 AxisName = str | tuple[str, ...]
 
-__all__ = ["AxisName", "Mesh", "get_mesh", "reset_state", "set_mesh"]
+__all__ = ["AxisName", "Mesh", "forget_groups", "get_mesh", "reset_state", "set_mesh"]
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 _MESH_STACK: list[Mesh] = []
@@ -60,14 +63,12 @@ class Mesh:
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"mesh axis {name!r} has size {size!r}; sizes are ints >= 1")
         self._axes: dict[str, int] = dict(axes)
+        _check_launched()
         world_ranks = list(ranks) if ranks is not None else _world_ranks()
         if any(a >= b for a, b in zip(world_ranks, world_ranks[1:], strict=False)):
             raise ValueError(f"mesh ranks must be strictly increasing, got {world_ranks}")
         if math.prod(self._axes.values()) != len(world_ranks):
-            raise ValueError(
-                f"mesh {self._axes} has {math.prod(self._axes.values())} positions but the "
-                f"world has {len(world_ranks)} ranks; axis sizes must multiply to the world size"
-            )
+            raise ValueError(_size_mismatch(self._axes, len(world_ranks), ranks is not None))
         self._ranks = tuple(world_ranks)
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         if self._rank not in self._ranks:
@@ -202,6 +203,51 @@ def _group_for(ranks: tuple[int, ...]) -> dist.ProcessGroup:
 
 def _world_ranks() -> list[int]:
     return list(range(dist.get_world_size())) if dist.is_initialized() else [0]
+
+
+def _check_launched() -> None:
+    """Refuse a mesh in a launched process (WORLD_SIZE > 1) that has no process group yet."""
+    if dist.is_initialized():
+        return
+    value = os.environ.get("WORLD_SIZE", "")
+    try:
+        launched = int(value) if value else 1
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE={value!r} in the environment is not an integer") from None
+    if launched > 1:
+        raise RuntimeError(
+            f"WORLD_SIZE={launched} in the environment (torchrun?) but torch.distributed is not "
+            "initialised: call sf.distributed.initialize() first (without it each of the "
+            f"{launched} processes would run alone as a world of one)"
+        )
+
+
+def _size_mismatch(axes: dict[str, int], count: int, explicit: bool) -> str:
+    """The message for axis sizes whose product is not the number of ranks."""
+    positions = math.prod(axes.values())
+    where = (f"the {count} ranks given in ranks=" if explicit else
+             f"the torch.distributed world of {count} ranks" if dist.is_initialized() else
+             "a world of one process (torch.distributed is not initialised)")
+    target = "len(ranks)" if explicit else "the world size"
+    message = (f"mesh {axes} has {positions} positions but spans {where}; axis sizes must "
+               f"multiply to {target} ({count})")
+    if len(axes) == 1:
+        message += f", e.g. Mesh({{{next(iter(axes))!r}: {count}}})"
+    if not explicit and not dist.is_initialized():
+        message += (f". For {positions} ranks launch {positions} processes (torchrun "
+                    f"--nproc-per-node {positions} script.py) and call "
+                    "sf.distributed.initialize() before building the mesh, or run the "
+                    f"function on sf.testing.local_world({positions})")
+    return message
+
+
+def forget_groups() -> None:
+    """Drop the cached process groups (``sf.distributed.shutdown`` calls this).
+
+    After ``torch.distributed.destroy_process_group`` the cached groups are dead;
+    meshes built afterwards (on a new group) make fresh ones.
+    """
+    _GROUPS.clear()
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
