@@ -158,3 +158,59 @@ def select(tree: PyTree, flags: Sequence[bool]) -> PyTree:
     leaves, treedef = pytree.tree_flatten(tree)
     kept = [x if f else None for x, f in zip(leaves, flags, strict=True)]
     return pytree.tree_unflatten(treedef, kept)
+
+
+def is_frozen(grad: Any, param: Any = None) -> bool:
+    """Whether a leaf is frozen: its update or its parameter is not floating point.
+
+    Integer and bool leaves (BatchNorm's ``num_batches_tracked``, step counters,
+    masks kept in the params tree) never take optimizer steps: every optimizer
+    and gradient transform gives them a zero update of the parameter's dtype
+    and does no state math on them.
+    """
+    if isinstance(grad, torch.Tensor) and not (grad.is_floating_point() or grad.is_complex()):
+        return True
+    return isinstance(param, torch.Tensor) and not (param.is_floating_point()
+                                                    or param.is_complex())
+
+
+def frozen_zero(grad: torch.Tensor, param: torch.Tensor | None = None) -> torch.Tensor:
+    """The zero update of a frozen leaf, in the parameter's dtype (the update's without one)."""
+    like = param if isinstance(param, torch.Tensor) else grad
+    return torch.zeros(grad.shape, dtype=like.dtype, device=grad.device)
+
+
+def foreach_floating(
+    fn: Callable[..., tuple[list, ...]], columns: Sequence[Sequence | None], num_outputs: int,
+    frozen: Callable[[int], tuple], params: Sequence | None = None,
+) -> tuple[list, ...]:
+    """:func:`foreach_groups` over the floating leaves only; frozen leaves get ``frozen(i)``.
+
+    Args:
+        fn: as for :func:`foreach_groups`.
+        columns: as for :func:`foreach_groups`; ``columns[0]`` are the updates.
+        num_outputs: how many lists ``fn`` returns.
+        frozen: ``frozen(i) -> tuple of num_outputs values`` for a frozen leaf ``i``
+            (see :func:`is_frozen`), e.g. its zero update and its unchanged state.
+        params: the parameter leaves (or None), also consulted by :func:`is_frozen`.
+
+    Returns:
+        ``num_outputs`` lists, one entry per leaf in the original order. When no leaf
+        is frozen this is exactly ``foreach_groups(fn, columns, num_outputs)``.
+    """
+    updates = columns[0]
+    flags = [is_frozen(u, None if params is None else params[i]) for i, u in enumerate(updates)]
+    if not any(flags):
+        return foreach_groups(fn, columns, num_outputs)
+    live = [i for i, f in enumerate(flags) if not f]
+    sub = [None if c is None else [c[i] for i in live] for c in columns]
+    outs = foreach_groups(fn, sub, num_outputs) if live else tuple([] for _ in range(num_outputs))
+    results: list[list] = [[None] * len(updates) for _ in range(num_outputs)]
+    for j, i in enumerate(live):
+        for result, out in zip(results, outs, strict=True):
+            result[i] = out[j]
+    for i, f in enumerate(flags):
+        if f:
+            for result, value in zip(results, frozen(i), strict=True):
+                result[i] = value
+    return tuple(results)

@@ -31,7 +31,13 @@ from typing import Any, NamedTuple
 import torch
 
 from shardfn import pytree
-from shardfn.optim._tree import bool_per_leaf, flatten_tensors, foreach_groups, leaves_like
+from shardfn.optim._tree import (
+    bool_per_leaf,
+    flatten_tensors,
+    foreach_floating,
+    frozen_zero,
+    leaves_like,
+)
 from shardfn.optim.base import (
     GradientTransformation,
     ScalarOrSchedule,
@@ -202,8 +208,12 @@ def _adam(name, learning_rate, b1, b2, eps, weight_decay, *, decoupled, mask):
                     us[i] = q
             return us, ms, vs
 
-        new_updates, new_mu, new_nu = foreach_groups(step, [grads, mus, nus, param_leaves, decays],
-                                                     3)
+        def frozen(i):  # a non-floating leaf: zero update, moments untouched
+            p = None if param_leaves is None else param_leaves[i]
+            return frozen_zero(grads[i], p), mus[i], nus[i]
+
+        new_updates, new_mu, new_nu = foreach_floating(
+            step, [grads, mus, nus, param_leaves, decays], 3, frozen, param_leaves)
         return pytree.tree_unflatten(treedef, new_updates), AdamState(
             count=state.count + 1,
             mu=pytree.tree_unflatten(treedef, new_mu),

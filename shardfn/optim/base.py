@@ -21,13 +21,21 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from shardfn import pytree
-from shardfn.optim._tree import flatten_tensors, foreach_groups, leaves_like
+from shardfn.optim._tree import (
+    flatten_tensors,
+    foreach_floating,
+    foreach_groups,
+    frozen_zero,
+    is_frozen,
+    leaves_like,
+)
 from shardfn.optim.donation import current_donation, writable_in_place
 
 PyTree = Any
@@ -106,7 +114,7 @@ def check_scalar(
 
     Raises:
         TypeError: if ``value`` is neither a number, a scalar tensor nor an allowed callable.
-        ValueError: if a number is out of ``[low, high)``.
+        ValueError: if a number is NaN or out of ``[low, high)`` (the message names ``name``).
     """
     if callable(value):
         if schedule_ok:
@@ -118,6 +126,8 @@ def check_scalar(
         value = float(value)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"{name} must be a number or a schedule, got {value!r}")
+    if math.isnan(value):
+        raise ValueError(f"{name} must be a number, got nan")
     if value < low or (high is not None and value >= high):
         bound = f"[{low}, {high})" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be {bound}, got {value}")
@@ -212,6 +222,10 @@ def identity() -> GradientTransformation:
         return EmptyState()
 
     def update(updates, state, params=None):
+        leaves, treedef = flatten_tensors(updates, "updates")
+        if any(is_frozen(u) for u in leaves):  # non-floating leaves: zero updates
+            return pytree.tree_unflatten(
+                treedef, [frozen_zero(u) if is_frozen(u) else u for u in leaves]), state
         return updates, state
 
     return GradientTransformation(init, update)
@@ -285,11 +299,16 @@ def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
 
 
 def _scaled(leaves: list[torch.Tensor], factor: Any) -> list[torch.Tensor]:
-    """``leaves * factor``: in place when the updates are donated, else new tensors."""
+    """``leaves * factor``: in place when the updates are donated, else new tensors.
+
+    Non-floating leaves get zero updates of their dtype (they are frozen)."""
+    def frozen(i):
+        return (frozen_zero(leaves[i]),)
+
     if leaves and current_donation().updates and writable_in_place(leaves):
         def scale_(us):
             torch._foreach_mul_(us, factor)
             return (us,)
 
-        return foreach_groups(scale_, [leaves], 1)[0]
-    return foreach_groups(lambda us: (torch._foreach_mul(us, factor),), [leaves], 1)[0]
+        return foreach_floating(scale_, [leaves], 1, frozen)[0]
+    return foreach_floating(lambda us: (torch._foreach_mul(us, factor),), [leaves], 1, frozen)[0]

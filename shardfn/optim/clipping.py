@@ -24,7 +24,14 @@ from typing import Any
 import torch
 
 from shardfn import pytree
-from shardfn.optim._tree import flatten_tensors, foreach_groups, per_leaf
+from shardfn.optim._tree import (
+    flatten_tensors,
+    foreach_floating,
+    frozen_zero,
+    is_frozen,
+    leaves_like,
+    per_leaf,
+)
 from shardfn.optim.base import EmptyState, GradientTransformation, check_scalar
 from shardfn.optim.donation import current_donation, writable_in_place
 
@@ -102,7 +109,9 @@ def global_norm(updates: PyTree, specs: PyTree = None, mesh: Any = None) -> torc
     if not leaves and axis_sets == [()]:
         return torch.zeros(())
 
-    (norms,) = foreach_groups(lambda gs: (torch._foreach_norm(gs),), [leaves], 1)
+    # non-floating leaves are frozen: they count for nothing in the norm
+    (norms,) = foreach_floating(lambda gs: (torch._foreach_norm(gs),), [leaves], 1,
+                                lambda i: (torch.zeros((), device=leaves[i].device),))
     dtype = torch.float32
     for n in norms:
         dtype = torch.promote_types(dtype, n.dtype)
@@ -152,6 +161,16 @@ def clip_by_global_norm(max_norm: float, specs: PyTree = None,
 
     def update(updates, state, params=None):
         leaves, treedef = flatten_tensors(updates, "updates")
+        param_leaves = None
+        if params is not None:
+            param_leaves = leaves_like(params, updates, treedef, leaves, what="updates",
+                                       other_what="params")
+        if any(is_frozen(u, None if param_leaves is None else param_leaves[i])
+               for i, u in enumerate(leaves)):  # frozen leaves: zero updates, not in the norm
+            leaves = [frozen_zero(u, param_leaves[i] if param_leaves else None)
+                      if is_frozen(u, param_leaves[i] if param_leaves else None) else u
+                      for i, u in enumerate(leaves)]
+            updates = pytree.tree_unflatten(treedef, leaves)
         norm = global_norm(updates, specs, mesh)  # collective when sharded: every rank calls it
         if not leaves:
             return updates, state
@@ -164,7 +183,7 @@ def clip_by_global_norm(max_norm: float, specs: PyTree = None,
                 return (gs,)
             return (torch._foreach_mul(gs, clip_coef.to(gs[0].device)),)
 
-        (clipped,) = foreach_groups(clip, [leaves], 1)
+        (clipped,) = foreach_floating(clip, [leaves], 1, lambda i: (leaves[i],))
         return pytree.tree_unflatten(treedef, clipped), state
 
     return GradientTransformation(init, update)

@@ -17,7 +17,15 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from shardfn import pytree
-from shardfn.optim._tree import bool_per_leaf, flatten_tensors, leaves_like, per_leaf, select
+from shardfn.optim._tree import (
+    bool_per_leaf,
+    flatten_tensors,
+    frozen_zero,
+    is_frozen,
+    leaves_like,
+    per_leaf,
+    select,
+)
 from shardfn.optim.base import GradientTransformation
 
 __all__ = ["MaskedState", "MultiTransformState", "masked", "multi_transform"]
@@ -61,14 +69,18 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[PyTree], PyTr
 
     def update(updates, state, params=None):
         leaves, treedef = flatten_tensors(updates, "updates")
+        param_leaves = [None] * len(leaves)
         if params is not None:
-            leaves_like(params, updates, treedef, leaves, what="updates", other_what="params")
+            param_leaves = leaves_like(params, updates, treedef, leaves, what="updates",
+                                       other_what="params")
         flags = bool_per_leaf(mask, params if params is not None else updates, "masked")
         inner_params = None if params is None else select(params, flags)
         inner_updates, inner_state = inner.update(select(updates, flags), state.inner_state,
                                                   inner_params)
         new_leaves = iter(pytree.tree_leaves(inner_updates))
-        merged = [next(new_leaves) if f else leaf for leaf, f in zip(leaves, flags, strict=True)]
+        # unselected leaves pass through, but non-floating ones are frozen: zero updates
+        merged = [next(new_leaves) if f else frozen_zero(leaf, p) if is_frozen(leaf, p) else leaf
+                  for leaf, f, p in zip(leaves, flags, param_leaves, strict=True)]
         return pytree.tree_unflatten(treedef, merged), MaskedState(inner_state)
 
     return GradientTransformation(init, update)

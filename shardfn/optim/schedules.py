@@ -42,6 +42,16 @@ def _check_steps(value: int, name: str, low: int) -> int:
     return value
 
 
+def _finite(value: float, name: str) -> float:
+    """``value`` as a float; a NaN or infinite schedule parameter is refused, naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return value
+
+
 def constant(value: float) -> Schedule:
     """The same value at every step.
 
@@ -49,7 +59,7 @@ def constant(value: float) -> Schedule:
         >>> constant(0.1)(7)
         0.1
     """
-    value = float(value)
+    value = _finite(value, "value")
     return lambda step: value
 
 
@@ -64,7 +74,7 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int,
     """
     _check_steps(transition_steps, "transition_steps", 0)
     _check_steps(transition_begin, "transition_begin", 0)
-    init_value, end_value = float(init_value), float(end_value)
+    init_value, end_value = _finite(init_value, "init_value"), _finite(end_value, "end_value")
 
     def schedule(step):
         if transition_steps == 0:
@@ -96,7 +106,7 @@ def cosine_decay(peak: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
         0.5
     """
     _check_steps(decay_steps, "decay_steps", 1)
-    peak, alpha = float(peak), float(alpha)
+    peak, alpha = _finite(peak, "peak"), _finite(alpha, "alpha")
 
     def schedule(step):
         done = min(max(_count(step), 0), decay_steps)
@@ -121,7 +131,8 @@ def warmup_cosine_decay(peak: float, warmup_steps: int, decay_steps: int,
     """
     _check_steps(warmup_steps, "warmup_steps", 0)
     _check_steps(decay_steps, "decay_steps", warmup_steps + 1)
-    peak, end_value = float(peak), float(end_value)
+    peak, end_value = _finite(peak, "peak"), _finite(end_value, "end_value")
+    _finite(init_value, "init_value")
     cosine_steps = decay_steps - warmup_steps
 
     def cosine(step):

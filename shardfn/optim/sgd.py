@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from shardfn import pytree
-from shardfn.optim._tree import flatten_tensors, foreach_groups, leaves_like
+from shardfn.optim._tree import flatten_tensors, foreach_floating, frozen_zero, leaves_like
 from shardfn.optim.base import (
     GradientTransformation,
     ScalarOrSchedule,
@@ -105,7 +105,7 @@ def sgd(
                     torch._foreach_add_(gs, ps, alpha=weight_decay)
                 else:
                     gs = torch._foreach_add(gs, ps, alpha=weight_decay)
-            new_bufs = []
+            new_bufs = [None] * len(gs)  # one entry per leaf, also without momentum
             if momentum != 0:
                 if buffers_in_place:
                     if first_step:
@@ -133,7 +133,12 @@ def sgd(
                 return gs, new_bufs
             return torch._foreach_mul(gs, -lr), new_bufs
 
-        new_updates, new_bufs = foreach_groups(step, [grads, param_leaves, buffers], 2)
+        def frozen(i):  # a non-floating leaf: zero update, buffer untouched
+            return (frozen_zero(grads[i], None if param_leaves is None else param_leaves[i]),
+                    None if buffers is None else buffers[i])
+
+        new_updates, new_bufs = foreach_floating(step, [grads, param_leaves, buffers], 2,
+                                                 frozen, param_leaves)
         new_momentum = pytree.tree_unflatten(treedef, new_bufs) if momentum != 0 else None
         return (
             pytree.tree_unflatten(treedef, new_updates),

@@ -82,7 +82,9 @@ def _scale(loss: torch.Tensor, state: ScaleState) -> torch.Tensor:
 
 def _unscale(grads, state: ScaleState):
     inv = 1.0 / state.scale.to(torch.float32)
-    return pytree.tree_map(lambda g: g.to(torch.float32) * inv, grads)
+    # non-floating leaves (integer buffers) are frozen: they stay as they are
+    return pytree.tree_map(lambda g: g.to(torch.float32) * inv if g.is_floating_point() else g,
+                           grads)
 
 
 def dynamic_loss_scale(init_scale: float = 2.0**16, growth_factor: float = 2.0,

@@ -42,7 +42,14 @@ from shardfn import pytree
 __all__ = ["Precision", "cast_floating", "with_precision"]
 
 
-class Precision(NamedTuple):
+class _PrecisionFields(NamedTuple):
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_inputs: bool = True
+
+
+class Precision(_PrecisionFields):
     """A mixed-precision policy; ``None`` fields leave dtypes as they are.
 
     Attributes:
@@ -50,12 +57,31 @@ class Precision(NamedTuple):
         reduce_dtype: dtype gradients are reduced in.
         output_dtype: dtype floating outputs are cast to.
         cast_inputs: cast floating inputs to ``param_dtype``.
+
+    Raises:
+        TypeError: if a dtype field is not a ``torch.dtype`` or None.
+        ValueError: if a dtype field is not a floating dtype (``torch.int32``, ``torch.bool``
+            ...): parameters, reductions and outputs are cast only to floating dtypes.
+
+    Example:
+        >>> Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     """
 
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    output_dtype: torch.dtype | None = None
-    cast_inputs: bool = True
+    __slots__ = ()
+
+    def __new__(cls, param_dtype: torch.dtype | None = None,
+                reduce_dtype: torch.dtype | None = None,
+                output_dtype: torch.dtype | None = None, cast_inputs: bool = True) -> Precision:
+        for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype),
+                            ("output_dtype", output_dtype)):
+            if dtype is None:
+                continue
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"Precision: {name} must be a torch.dtype or None, got {dtype!r}")
+            if not dtype.is_floating_point:
+                raise ValueError(f"Precision: {name} must be a floating dtype (e.g. torch.float32, "
+                                 f"torch.bfloat16, torch.float16) or None, got {dtype}")
+        return super().__new__(cls, param_dtype, reduce_dtype, output_dtype, bool(cast_inputs))
 
 
 def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
