@@ -4,10 +4,17 @@ These call the ``torch.ops._c10d_functional`` ops, which are the only ones that
 run correctly inside the backward of an ``autograd.Function`` under
 ``torch.func.grad`` (see design.md). Each call records its bytes in
 :mod:`shardfn.primitives.stats` and marks itself as in flight for hang reports.
+
+Complex tensors travel as their real view (``torch.view_as_real``: gloo's
+all_to_all has no complex type), so every op works on them. The ops take the
+shapes they are given: the public collectives validate arguments and run the
+check-mode hooks before calling these; nothing here is hooked.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -64,6 +71,22 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
+def _complex_as_real(op: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Run ``op`` on the real view of a complex ``x`` (one trailing dim of 2) and view back.
+
+    The dims the ops take index from the front, so they mean the same on the view.
+    """
+
+    @functools.wraps(op)
+    def wrapper(x: torch.Tensor, *args):
+        if not x.is_complex():
+            return op(x, *args)
+        return torch.view_as_complex(op(torch.view_as_real(x), *args).contiguous())
+
+    return wrapper
+
+
+@_complex_as_real
 def psum(x: torch.Tensor, ax: Axis) -> torch.Tensor:
     """Sum ``x`` over the ranks of ``ax``."""
     if ax.size == 1:
@@ -73,6 +96,7 @@ def psum(x: torch.Tensor, ax: Axis) -> torch.Tensor:
         return _ops.wait_tensor(_ops.all_reduce(x.contiguous(), "sum", ax.group_name))
 
 
+@_complex_as_real
 def all_gather(x: torch.Tensor, ax: Axis, dim: int) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in axis-index order."""
     if ax.size == 1:
@@ -84,6 +108,7 @@ def all_gather(x: torch.Tensor, ax: Axis, dim: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
+@_complex_as_real
 def psum_scatter(x: torch.Tensor, ax: Axis, dim: int) -> torch.Tensor:
     """Sum ``x`` over the axis and keep this rank's block of ``dim``."""
     if x.shape[dim] % ax.size:
@@ -100,6 +125,7 @@ def psum_scatter(x: torch.Tensor, ax: Axis, dim: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
+@_complex_as_real
 def all_to_all(x: torch.Tensor, ax: Axis, split_dim: int, concat_dim: int) -> torch.Tensor:
     """Send block j of ``split_dim`` to rank j; concatenate what arrives on ``concat_dim``."""
     if x.shape[split_dim] % ax.size:
@@ -116,10 +142,12 @@ def all_to_all(x: torch.Tensor, ax: Axis, split_dim: int, concat_dim: int) -> to
         out = _ops.wait_tensor(
             _ops.all_to_all_single(moved, [block] * ax.size, [block] * ax.size, ax.group_name)
         )
-    pieces = [piece.movedim(0, split_dim) for piece in out.split(block)]
+    # unflatten, not split(block): a zero-size block must still give ax.size pieces
+    pieces = [piece.movedim(0, split_dim) for piece in out.unflatten(0, (ax.size, block))]
     return torch.cat(pieces, dim=concat_dim)
 
 
+@_complex_as_real
 def ppermute(x: torch.Tensor, ax: Axis, perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """Send ``x`` from axis index ``src`` to ``dst`` for each pair; zeros where nothing arrives."""
     sends_to = [dst for src, dst in perm if src == ax.index]
@@ -137,6 +165,7 @@ def ppermute(x: torch.Tensor, ax: Axis, perm: tuple[tuple[int, int], ...]) -> to
     return out.reshape(x.shape)
 
 
+@_complex_as_real
 def broadcast(x: torch.Tensor, ax: Axis, src: int) -> torch.Tensor:
     """Every rank gets the ``x`` of axis index ``src``."""
     if ax.size == 1:

@@ -37,13 +37,14 @@ Example (on each rank of a 2-rank world):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from shardfn import pytree
 from shardfn.mesh import AxisName, Mesh, get_mesh
-from shardfn.primitives import _comm
+from shardfn.primitives import _comm, consistency
 from shardfn.primitives._comm import Axis
 
 __all__ = [
@@ -62,15 +63,33 @@ __all__ = [
 ]
 
 
-def _grad_in(grad: torch.Tensor) -> torch.Tensor:
-    return grad.detach().contiguous()
+# ---- autograd.Functions -------------------------------------------------------------
+#
+# Each backward is written with the Functions themselves (JAX's transpose rules as
+# collectives), never with the raw ``_comm`` ops: under ``vmap(grad(f))`` the incoming
+# gradient is a batched tensor, and a raw op on it would hit torch's per-example
+# fallback (one collective per example, racing the other ranks' ones: wrong values).
+# Through ``apply`` the vmap rule below runs ONE collective on the batched tensor, and
+# the backward is itself differentiable (double backward, jacrev of a vjp).
+# Every vmap rule moves the batch dim to the front and shifts the dims it is given.
 
 
 def _batch_first(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
     return x if bdim is None or bdim == 0 else x.movedim(bdim, 0)
 
 
+def _shift(bdim: int | None) -> int:
+    """How far a dim moves when the batch dim goes in front (0 for an unbatched input)."""
+    return 0 if bdim is None else 1
+
+
+def _out_dim(bdim: int | None) -> int | None:
+    return None if bdim is None else 0
+
+
 class _Psum(torch.autograd.Function):
+    """psum; backward psum (``grad_psum``, the varying rule) or pvary (the invariant rule)."""
+
     @staticmethod
     def forward(x, ax: Axis, grad_psum: bool):
         return _comm.psum(x, ax)
@@ -81,8 +100,8 @@ class _Psum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = _grad_in(grad)
-        return (_comm.psum(grad, ctx.ax) if ctx.grad_psum else grad), None, None
+        grad = _Psum.apply(grad, ctx.ax, True) if ctx.grad_psum else _Pvary.apply(grad, ctx.ax)
+        return grad, None, None
 
     @staticmethod
     def vmap(info, in_dims, x, ax, grad_psum):
@@ -90,6 +109,8 @@ class _Psum(torch.autograd.Function):
 
 
 class _Pvary(torch.autograd.Function):
+    """Identity; backward psum whose own backward is the identity (transposes twice to pvary)."""
+
     @staticmethod
     def forward(x, ax: Axis):
         return x.clone()
@@ -100,7 +121,7 @@ class _Pvary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _comm.psum(_grad_in(grad), ctx.ax), None
+        return _Psum.apply(grad, ctx.ax, False), None
 
     @staticmethod
     def vmap(info, in_dims, x, ax):
@@ -118,13 +139,12 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _comm.psum_scatter(_grad_in(grad), ctx.ax, ctx.dim), None, None
+        return _PsumScatter.apply(grad, ctx.ax, ctx.dim), None, None
 
     @staticmethod
     def vmap(info, in_dims, x, ax, dim):
-        if in_dims[0] is None:
-            return _AllGather.apply(x, ax, dim), None
-        return _AllGather.apply(_batch_first(x, in_dims[0]), ax, dim + 1), 0
+        bdim = in_dims[0]
+        return _AllGather.apply(_batch_first(x, bdim), ax, dim + _shift(bdim)), _out_dim(bdim)
 
 
 class _PsumScatter(torch.autograd.Function):
@@ -138,13 +158,12 @@ class _PsumScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _comm.all_gather(_grad_in(grad), ctx.ax, ctx.dim), None, None
+        return _AllGather.apply(grad, ctx.ax, ctx.dim), None, None
 
     @staticmethod
     def vmap(info, in_dims, x, ax, dim):
-        if in_dims[0] is None:
-            return _PsumScatter.apply(x, ax, dim), None
-        return _PsumScatter.apply(_batch_first(x, in_dims[0]), ax, dim + 1), 0
+        bdim = in_dims[0]
+        return _PsumScatter.apply(_batch_first(x, bdim), ax, dim + _shift(bdim)), _out_dim(bdim)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -158,15 +177,13 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = _comm.all_to_all(_grad_in(grad), ctx.ax, ctx.concat_dim, ctx.split_dim)
-        return grad, None, None, None
+        return _AllToAll.apply(grad, ctx.ax, ctx.concat_dim, ctx.split_dim), None, None, None
 
     @staticmethod
     def vmap(info, in_dims, x, ax, split_dim, concat_dim):
-        if in_dims[0] is None:
-            return _AllToAll.apply(x, ax, split_dim, concat_dim), None
-        x = _batch_first(x, in_dims[0])
-        return _AllToAll.apply(x, ax, split_dim + 1, concat_dim + 1), 0
+        bdim, k = in_dims[0], _shift(in_dims[0])
+        out = _AllToAll.apply(_batch_first(x, bdim), ax, split_dim + k, concat_dim + k)
+        return out, _out_dim(bdim)
 
 
 class _Ppermute(torch.autograd.Function):
@@ -181,7 +198,7 @@ class _Ppermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         inverse = tuple((dst, src) for src, dst in ctx.perm)
-        return _comm.ppermute(_grad_in(grad), ctx.ax, inverse), None, None
+        return _Ppermute.apply(grad, ctx.ax, inverse), None, None
 
     @staticmethod
     def vmap(info, in_dims, x, ax, perm):
@@ -199,8 +216,12 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        total = _comm.psum(_grad_in(grad), ctx.ax)
-        return (total if ctx.ax.index == ctx.src else torch.zeros_like(total)), None, None
+        total = _Psum.apply(grad, ctx.ax, True)
+        if ctx.ax.index == ctx.src:
+            return total, None, None
+        # zeros that stay in the graph (not zeros_like): a double backward must run the
+        # psum's backward on every rank; where, not "* 0", so an inf stays out of it
+        return torch.where(torch.zeros((), dtype=torch.bool), total, 0), None, None
 
     @staticmethod
     def vmap(info, in_dims, x, ax, src):
@@ -208,28 +229,68 @@ class _Broadcast(torch.autograd.Function):
 
 
 # ---- public API ------------------------------------------------------------------
+#
+# Each public collective validates every leaf first (a clear error before anything is
+# sent), then runs the check-mode hook once for the whole call, then communicates.
 
 
-def _map(fn, tree, name: str):
-    def leaf(path: str, x):
+def _run(op: str, ax: Axis, tree, prepare: Callable[[str, torch.Tensor], Callable[[], Any]],
+         **static: Any):
+    """Validate each leaf with ``prepare(path, x)`` (it returns the leaf's work), hook, run.
+
+    Raises:
+        TypeError: naming the leaf, for a leaf that is not a tensor.
+    """
+    names, leaves, treedef = pytree.tree_flatten_with_path(tree)
+    work = []
+    for path, x in zip(names, leaves, strict=True):
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}: leaf {path!r} is a {type(x).__name__}, not a Tensor")
-        return fn(x)
+            raise TypeError(f"{op}: leaf {path!r} is a {type(x).__name__}, not a Tensor")
+        work.append(prepare(path, x))
+    if ax.size > 1:
+        consistency.check_call(op, ax, tree, **static)
+    return pytree.tree_unflatten(treedef, [run() for run in work])
 
-    return pytree.tree_map_with_path(leaf, tree)
+
+def _dim(op: str, ax: Axis, path: str, x: torch.Tensor, dim: int, ndim: int | None = None) -> int:
+    """``dim`` normalised for a tensor of ``ndim`` dims (default ``x.dim()``), or a clear error."""
+    ndim = x.dim() if ndim is None else ndim
+    where = f"{op} over axis {ax.key!r}: leaf {path!r}"
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{where}: dim must be an int, got {dim!r}")
+    if ndim == 0:
+        raise ValueError(f"{where} is a 0-dim tensor; {op} needs a tensor with a dim to split or "
+                         "join (reshape it to shape (1,))")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{where}: dim {dim} is out of range for a tensor of shape "
+                         f"{tuple(x.shape)} (valid: {-ndim}..{ndim - 1})")
+    return dim % ndim
 
 
-def _dim(x: torch.Tensor, dim: int, name: str, ax: Axis) -> int:
-    if not -x.dim() <= dim < max(x.dim(), 1):
-        raise ValueError(
-            f"{name} over axis {ax.key!r}: dim {dim} is out of range for a tensor of shape "
-            f"{tuple(x.shape)}"
-        )
-    return dim % x.dim()
+def _summable(x: torch.Tensor) -> torch.Tensor:
+    """Bool leaves are summed as counts (int64, like ``torch.sum``); other dtypes as they are."""
+    return x.to(torch.int64) if x.dtype == torch.bool else x
+
+
+def _check_divisible(op: str, ax: Axis, path: str, x: torch.Tensor, dim: int) -> None:
+    if x.shape[dim] % ax.size:
+        raise ValueError(f"{op} over axis {ax.key!r}: leaf {path!r} needs dim {dim} (size "
+                         f"{x.shape[dim]} of shape {tuple(x.shape)}) divisible by the axis size "
+                         f"{ax.size}; pad it first (sf.shard pads for you)")
+
+
+def _check_mean(op: str, ax: Axis, path: str, x: torch.Tensor) -> None:
+    if not (x.is_floating_point() or x.is_complex()):
+        raise TypeError(f"{op} over axis {ax.key!r}: leaf {path!r} has dtype {x.dtype}; the mean "
+                        "of integers is not an integer. Cast it first (x.float()) or use psum "
+                        "and divide as you mean to")
 
 
 def psum(tree, axis: AxisName, *, mesh: Mesh | None = None):
     """Sum every leaf over the ranks of ``axis``; backward is psum (varying rule).
+
+    Integer leaves are summed in their dtype; bool leaves are counted (int64, as
+    ``torch.sum`` does).
 
     Args:
         tree: a tensor or pytree of tensors.
@@ -244,14 +305,20 @@ def psum(tree, axis: AxisName, *, mesh: Mesh | None = None):
         ...     sf.psum(torch.tensor(1.0), "dp")   # tensor(2.)
     """
     ax = _comm.resolve(axis, mesh)
-    return _map(lambda x: _Psum.apply(x, ax, True) if ax.size > 1 else x, tree, "psum")
+
+    def prepare(path, x):
+        x = _summable(x)
+        return lambda: _Psum.apply(x, ax, True) if ax.size > 1 else x
+
+    return _run("psum", ax, tree, prepare)
 
 
 def pmean(tree, axis: AxisName, *, mesh: Mesh | None = None):
     """Mean of every leaf over ``axis``; backward is pmean (varying rule).
 
     Args:
-        tree: a tensor or pytree of tensors.
+        tree: a tensor or pytree of floating or complex tensors (an integer or
+            bool leaf raises TypeError: its mean is not an integer).
         axis: a mesh axis name or a tuple of names.
         mesh: overrides the current mesh.
 
@@ -262,7 +329,12 @@ def pmean(tree, axis: AxisName, *, mesh: Mesh | None = None):
         >>> grads = sf.pmean(grads, "dp")
     """
     ax = _comm.resolve(axis, mesh)
-    return _map(lambda x: _Psum.apply(x, ax, True) / ax.size if ax.size > 1 else x, tree, "pmean")
+
+    def prepare(path, x):
+        _check_mean("pmean", ax, path, x)
+        return lambda: _Psum.apply(x, ax, True) / ax.size if ax.size > 1 else x
+
+    return _run("pmean", ax, tree, prepare)
 
 
 def psum_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
@@ -270,7 +342,7 @@ def psum_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
 
     The result is replicated; use it where the downstream computation is the
     same on every rank and counted once, so the gradient is not multiplied by
-    the axis size.
+    the axis size. Dtypes as in :func:`psum`.
 
     Args:
         tree: a tensor or pytree of tensors.
@@ -284,14 +356,19 @@ def psum_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
         >>> y = sf.psum_invariant(x @ w_row_shard, "tp")   # row-parallel linear
     """
     ax = _comm.resolve(axis, mesh)
-    return _map(lambda x: _Psum.apply(x, ax, False) if ax.size > 1 else x, tree, "psum_invariant")
+
+    def prepare(path, x):
+        x = _summable(x)
+        return lambda: _Psum.apply(x, ax, False) if ax.size > 1 else x
+
+    return _run("psum_invariant", ax, tree, prepare)
 
 
 def pmean_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
     """Mean over ``axis`` whose backward is the identity divided by the axis size.
 
     Args:
-        tree: a tensor or pytree of tensors.
+        tree: a tensor or pytree of floating or complex tensors.
         axis: a mesh axis name or a tuple of names.
         mesh: overrides the current mesh.
 
@@ -303,10 +380,11 @@ def pmean_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
     """
     ax = _comm.resolve(axis, mesh)
 
-    def leaf(x):
-        return _Psum.apply(x, ax, False) / ax.size if ax.size > 1 else x
+    def prepare(path, x):
+        _check_mean("pmean_invariant", ax, path, x)
+        return lambda: _Psum.apply(x, ax, False) / ax.size if ax.size > 1 else x
 
-    return _map(leaf, tree, "pmean_invariant")
+    return _run("pmean_invariant", ax, tree, prepare)
 
 
 def pvary(tree, axis: AxisName, *, mesh: Mesh | None = None):
@@ -324,7 +402,8 @@ def pvary(tree, axis: AxisName, *, mesh: Mesh | None = None):
         >>> h = sf.pvary(x, "tp") @ w_column_shard   # column-parallel linear
     """
     ax = _comm.resolve(axis, mesh)
-    return _map(lambda x: _Pvary.apply(x, ax) if ax.size > 1 else x, tree, "pvary")
+    return _run("pvary", ax, tree,
+                lambda path, x: lambda: _Pvary.apply(x, ax) if ax.size > 1 else x)
 
 
 def all_gather(tree, axis: AxisName, *, dim: int = 0, tiled: bool = True,
@@ -334,7 +413,8 @@ def all_gather(tree, axis: AxisName, *, dim: int = 0, tiled: bool = True,
     Backward is psum_scatter of the gradient.
 
     Args:
-        tree: a tensor or pytree of tensors of equal shape on every rank.
+        tree: a tensor or pytree of tensors of equal shape on every rank (a
+            0-dim leaf only with ``tiled=False``: there is no dim to concatenate).
         axis: a mesh axis name or a tuple of names.
         dim: the dimension to concatenate (or, untiled, where the new axis goes).
         tiled: concatenate (True) or stack along a new dimension (False).
@@ -348,13 +428,19 @@ def all_gather(tree, axis: AxisName, *, dim: int = 0, tiled: bool = True,
     """
     ax = _comm.resolve(axis, mesh)
 
-    def leaf(x):
-        if not tiled:
-            x = x.unsqueeze(dim)
-        d = _dim(x, dim, "all_gather", ax)
-        return _AllGather.apply(x, ax, d) if ax.size > 1 else x
+    def prepare(path, x):
+        if tiled and x.dim() == 0:
+            raise ValueError(f"all_gather over axis {ax.key!r}: leaf {path!r} is a 0-dim tensor "
+                             "and tiled=True has no dim to concatenate; use tiled=False to stack")
+        d = _dim("all_gather", ax, path, x, dim, x.dim() + (0 if tiled else 1))
 
-    return _map(leaf, tree, "all_gather")
+        def run():
+            y = x if tiled else x.unsqueeze(d)
+            return _AllGather.apply(y, ax, d) if ax.size > 1 else y
+
+        return run
+
+    return _run("all_gather", ax, tree, prepare, dim=dim, tiled=tiled)
 
 
 def psum_scatter(tree, axis: AxisName, *, dim: int = 0, tiled: bool = True,
@@ -362,8 +448,9 @@ def psum_scatter(tree, axis: AxisName, *, dim: int = 0, tiled: bool = True,
     """Sum over ``axis`` and keep this rank's block of ``dim``; backward is all_gather.
 
     Args:
-        tree: a tensor or pytree of tensors; ``dim`` must divide by the axis size
-            (or, untiled, equal it: the block is then squeezed).
+        tree: a tensor or pytree of tensors (at least 1-dim); ``dim`` must divide
+            by the axis size (or, untiled, equal it: the block is then squeezed).
+            Dtypes as in :func:`psum`.
         axis: a mesh axis name or a tuple of names.
         dim: the dimension to scatter.
         tiled: keep the block's dimension (True) or drop it (False).
@@ -377,17 +464,21 @@ def psum_scatter(tree, axis: AxisName, *, dim: int = 0, tiled: bool = True,
     """
     ax = _comm.resolve(axis, mesh)
 
-    def leaf(x):
-        d = _dim(x, dim, "psum_scatter", ax)
+    def prepare(path, x):
+        d = _dim("psum_scatter", ax, path, x, dim)
         if not tiled and x.shape[d] != ax.size:
-            raise ValueError(
-                f"psum_scatter(tiled=False) over axis {ax.key!r} needs dim {d} of size "
-                f"{ax.size}, got shape {tuple(x.shape)}"
-            )
-        out = _PsumScatter.apply(x, ax, d) if ax.size > 1 else x
-        return out if tiled else out.squeeze(d)
+            raise ValueError(f"psum_scatter(tiled=False) over axis {ax.key!r}: leaf {path!r} "
+                             f"needs dim {d} of size {ax.size}, got shape {tuple(x.shape)}")
+        _check_divisible("psum_scatter", ax, path, x, d)
+        x = _summable(x)
 
-    return _map(leaf, tree, "psum_scatter")
+        def run():
+            out = _PsumScatter.apply(x, ax, d) if ax.size > 1 else x
+            return out if tiled else out.squeeze(d)
+
+        return run
+
+    return _run("psum_scatter", ax, tree, prepare, dim=dim, tiled=tiled)
 
 
 def all_to_all(tree, axis: AxisName, split_dim: int, concat_dim: int, *,
@@ -397,10 +488,11 @@ def all_to_all(tree, axis: AxisName, split_dim: int, concat_dim: int, *,
     Backward is all_to_all with the two dimensions swapped.
 
     Args:
-        tree: a tensor or pytree of tensors.
+        tree: a tensor or pytree of tensors (at least 1-dim).
         axis: a mesh axis name or a tuple of names.
         split_dim: dimension split into blocks (must divide by the axis size).
-        concat_dim: dimension the received blocks are concatenated on.
+        concat_dim: dimension the received blocks are concatenated on (may equal
+            ``split_dim``).
         mesh: overrides the current mesh.
 
     Returns:
@@ -411,12 +503,32 @@ def all_to_all(tree, axis: AxisName, split_dim: int, concat_dim: int, *,
     """
     ax = _comm.resolve(axis, mesh)
 
-    def leaf(x):
-        s = _dim(x, split_dim, "all_to_all", ax)
-        c = _dim(x, concat_dim, "all_to_all", ax)
-        return _AllToAll.apply(x, ax, s, c) if ax.size > 1 else x
+    def prepare(path, x):
+        s = _dim("all_to_all", ax, path, x, split_dim)
+        c = _dim("all_to_all", ax, path, x, concat_dim)
+        _check_divisible("all_to_all", ax, path, x, s)
+        return lambda: _AllToAll.apply(x, ax, s, c) if ax.size > 1 else x
 
-    return _map(leaf, tree, "all_to_all")
+    return _run("all_to_all", ax, tree, prepare, split_dim=split_dim, concat_dim=concat_dim)
+
+
+def _check_perm(ax: Axis, perm) -> tuple[tuple[int, int], ...]:
+    """``perm`` as a tuple of int pairs, each source and destination in range and at most once."""
+    pairs = []
+    for pair in perm:
+        if (not isinstance(pair, (tuple, list)) or len(pair) != 2
+                or any(isinstance(i, bool) or not isinstance(i, int) for i in pair)):
+            raise TypeError(f"ppermute over axis {ax.key!r}: perm entries are (src, dst) pairs "
+                            f"of ints, got {pair!r} in {perm!r}")
+        pairs.append((int(pair[0]), int(pair[1])))
+    sources, dests = [s for s, _ in pairs], [d for _, d in pairs]
+    for i in sources + dests:
+        if not 0 <= i < ax.size:
+            raise ValueError(f"ppermute over axis {ax.key!r} of size {ax.size}: index {i} in "
+                             f"perm {pairs} is out of range")
+    if len(set(sources)) != len(sources) or len(set(dests)) != len(dests):
+        raise ValueError(f"ppermute perm {pairs} repeats a source or a destination")
+    return tuple(pairs)
 
 
 def ppermute(tree, axis: AxisName, perm: Sequence[tuple[int, int]], *,
@@ -440,15 +552,9 @@ def ppermute(tree, axis: AxisName, perm: Sequence[tuple[int, int]], *,
         >>> nxt = sf.ppermute(x, "pp", [(i, (i + 1) % n) for i in range(n)])
     """
     ax = _comm.resolve(axis, mesh)
-    perm = tuple((int(s), int(d)) for s, d in perm)
-    sources, dests = [s for s, _ in perm], [d for _, d in perm]
-    for i in sources + dests:
-        if not 0 <= i < ax.size:
-            raise ValueError(f"ppermute over axis {ax.key!r} of size {ax.size}: index {i} in "
-                             f"perm {list(perm)} is out of range")
-    if len(set(sources)) != len(sources) or len(set(dests)) != len(dests):
-        raise ValueError(f"ppermute perm {list(perm)} repeats a source or a destination")
-    return _map(lambda x: _Ppermute.apply(x, ax, perm), tree, "ppermute")
+    pairs = _check_perm(ax, perm)
+    return _run("ppermute", ax, tree, lambda path, x: lambda: _Ppermute.apply(x, ax, pairs),
+                perm=pairs)
 
 
 def broadcast(tree, axis: AxisName, *, src: int = 0, mesh: Mesh | None = None):
@@ -469,10 +575,15 @@ def broadcast(tree, axis: AxisName, *, src: int = 0, mesh: Mesh | None = None):
         >>> params = sf.broadcast(params, "dp", src=0)
     """
     ax = _comm.resolve(axis, mesh)
+    if isinstance(src, bool) or not isinstance(src, int):
+        raise TypeError(f"broadcast over axis {ax.key!r}: src must be an int axis index, got "
+                        f"{src!r}")
     if not 0 <= src < ax.size:
         raise ValueError(f"broadcast over axis {ax.key!r} of size {ax.size}: src {src} is out "
-                         "of range")
-    return _map(lambda x: _Broadcast.apply(x, ax, src) if ax.size > 1 else x, tree, "broadcast")
+                         f"of range (valid: 0..{ax.size - 1})")
+    return _run("broadcast", ax, tree,
+                lambda path, x: lambda: _Broadcast.apply(x, ax, src) if ax.size > 1 else x,
+                src=src)
 
 
 def axis_index(axis: AxisName, *, mesh: Mesh | None = None) -> int:
