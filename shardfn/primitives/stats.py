@@ -31,7 +31,16 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterator
 
-__all__ = ["CommStats", "comm_stats", "in_flight", "record", "reset_comm_stats"]
+__all__ = [
+    "CommStats",
+    "collective_failures",
+    "comm_stats",
+    "heartbeat",
+    "in_flight",
+    "progress",
+    "record",
+    "reset_comm_stats",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +83,10 @@ _CALLS: dict[str, int] = defaultdict(int)
 _BY_OP: dict[tuple[str, str], int] = defaultdict(int)
 _OP_CALLS: dict[str, int] = defaultdict(int)
 _IN_FLIGHT: list[str] = []
+# Progress events (collectives issued, entered and left; heartbeats), never reset:
+# the local world's watchdog tells a slow run from a hung one by this count moving.
+_PROGRESS: list[int] = [0]
+_FAILURES: list[int] = [0]  # collective scopes left by an exception
 
 
 def record(axis_key: str, op: str, nbytes: float) -> None:
@@ -83,6 +96,7 @@ def record(axis_key: str, op: str, nbytes: float) -> None:
     _CALLS[axis_key] += 1
     _BY_OP[(axis_key, op)] += nbytes
     _OP_CALLS[op] += 1
+    _PROGRESS[0] += 1
 
 
 def comm_stats() -> CommStats:
@@ -106,14 +120,64 @@ def reset_comm_stats() -> None:
 
 @contextlib.contextmanager
 def collective_scope(description: str) -> Iterator[None]:
-    """Mark ``description`` as the collective in flight on this rank (for hang reports)."""
+    """Mark ``description`` as the collective in flight on this rank (for hang reports).
+
+    Entering and leaving the scope each count as progress (see :func:`progress`); an
+    exception leaving it counts in :func:`collective_failures`.
+    """
     _IN_FLIGHT.append(description)
+    _PROGRESS[0] += 1
     try:
         yield
+    except BaseException:
+        _FAILURES[0] += 1
+        raise
     finally:
         _IN_FLIGHT.pop()
+        _PROGRESS[0] += 1
 
 
 def in_flight() -> str | None:
     """The collective this rank is blocked in, or None (read by the local world's watchdog)."""
     return _IN_FLIGHT[-1] if _IN_FLIGHT else None
+
+
+def heartbeat() -> None:
+    """Count one unit of progress: call it in long loops that run no shardfn collective.
+
+    The local world (``shardfn.testing``) declares a run hung when no rank has made
+    progress for the run's ``timeout``; collectives count on their own, and so does a
+    change of the Python stack, so only a loop of long C calls (``time.sleep``, one huge
+    op) with no collective needs this.
+
+    Example:
+        >>> for step in range(10_000):
+        ...     time.sleep(1.0)   # waiting on something outside torch.distributed
+        ...     heartbeat()
+    """
+    _PROGRESS[0] += 1
+
+
+def progress() -> int:
+    """Progress events on this rank so far: collectives recorded, entered and left, heartbeats.
+
+    Returns:
+        A count that only grows (``reset_comm_stats`` leaves it alone).
+
+    Example:
+        >>> before = progress(); heartbeat(); progress() - before
+        1
+    """
+    return _PROGRESS[0]
+
+
+def collective_failures() -> int:
+    """Collectives on this rank so far that an exception interrupted (a timeout, a dead peer).
+
+    The local world respawns its processes after a run in which this grew: the
+    process group may be out of step or closed.
+
+    Returns:
+        A count that only grows.
+    """
+    return _FAILURES[0]

@@ -2,22 +2,28 @@
 
 Private to ``local_world``, which holds the API and the failure semantics.
 
-A worker joins the gloo group, then runs the cloudpickled ``(fn, args, kwargs)``
-messages it receives on its command pipe and answers ``("ok", value)`` or
-``("err", traceback_text)``. A watchdog thread answers stack requests on a
-second pipe, so the parent can say what a hung rank is doing; it also ends the
-process when the parent goes away.
+A worker joins the gloo group (over loopback only), then runs the cloudpickled
+``(fn, args, kwargs)`` requests it receives on its command pipe and answers
+``(request_id, "ok", value, False)`` or ``(request_id, "err", traceback_text,
+group_may_be_broken)``. A watchdog thread answers stack requests on a second
+pipe, so the parent can say what a hung rank is doing, and counts the rank's
+progress in shared memory (see :func:`_watchdog`); it also ends the process
+when the parent goes away. A worker's stderr goes to a file the parent reads
+(forwarding it, and quoting its tail when the rank dies); Python's
+``faulthandler`` writes the stacks of a crash to a second file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import io
 import multiprocessing
 import os
 import pickle
 import shutil
 import signal
+import socket
 import sys
 import threading
 import traceback
@@ -34,6 +40,10 @@ import cloudpickle
 
 STOP = b"stop"
 _STOP_WAIT_S = 5.0  # how long shutdown waits for a clean exit before killing
+TICK_S = 0.25  # how often the watchdog samples progress (and the parent looks at it)
+TAIL_LINES = 40  # lines of a dead rank's stderr quoted in the error
+_TAIL_BYTES = 64 * 1024
+_ID_BYTES = 8  # a request starts with its id, little-endian
 
 
 # --- parent side: start, stop, and ship functions -------------------------------------
@@ -43,30 +53,37 @@ class Rank(NamedTuple):
     """The parent's handles on one worker."""
 
     process: BaseProcess
-    cmd: Connection  # functions in, ("ok", value) / ("err", traceback) out
+    cmd: Connection  # requests in, (request id, kind, value, broken) out
     watch: Connection  # stack requests in, (stack, collective in flight) out
+    progress: Any  # a shared unsigned counter the watchdog bumps on each sign of progress
+    stderr: StderrLog  # the worker's fd 2
+    crash_path: str  # faulthandler's stacks of a fatal signal
 
 
-def spawn(size: int, store_path: str, pg_timeout_s: float) -> list[Rank]:
+def spawn(size: int, store_path: str, pg_timeout_s: float, check: bool) -> list[Rank]:
     """Start ``size`` worker processes (they join the gloo group on their own)."""
     context = multiprocessing.get_context("spawn")
     ranks = []
     for rank in range(size):
         cmd, child_cmd = context.Pipe()
         watch, child_watch = context.Pipe()
+        progress = context.RawValue("Q", 0)
+        prefix = f"{store_path}.rank{rank}"
+        stderr_path, crash_path = f"{prefix}.stderr", f"{prefix}.crash"
         process = context.Process(
             target=main, name=f"shardfn-rank{rank}", daemon=True,
-            args=(rank, size, store_path, pg_timeout_s, child_cmd, child_watch),
+            args=(rank, size, store_path, pg_timeout_s, check, child_cmd, child_watch, progress,
+                  stderr_path, crash_path),
         )
         process.start()
         child_cmd.close()  # the parent keeps only its own ends, so EOF reaches each side
         child_watch.close()
-        ranks.append(Rank(process, cmd, watch))
+        ranks.append(Rank(process, cmd, watch, progress, StderrLog(stderr_path, rank), crash_path))
     return ranks
 
 
 def kill(ranks: list[Rank]) -> None:
-    """SIGKILL and reap every process (no zombies), close the pipes."""
+    """SIGKILL and reap every process (no zombies), close the pipes, forward stderr left."""
     for rank in ranks:
         if rank.process.is_alive():
             rank.process.kill()
@@ -74,6 +91,10 @@ def kill(ranks: list[Rank]) -> None:
         rank.process.join()
         rank.cmd.close()
         rank.watch.close()
+        rank.stderr.forward(final=True)
+        for path in (rank.stderr.path, rank.crash_path):
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
 
 def shutdown(ranks: list[Rank], tmpdir: str) -> None:
@@ -87,6 +108,63 @@ def shutdown(ranks: list[Rank], tmpdir: str) -> None:
     kill(ranks)
     ranks.clear()
     shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def request(request_id: int, payload: bytes) -> bytes:
+    """Frame a pickled ``(fn, args, kwargs)`` with its id (the reply echoes it)."""
+    return request_id.to_bytes(_ID_BYTES, "little") + payload
+
+
+class StderrLog:
+    """A worker's stderr file, read from the parent: forwarded line by line, and its tail.
+
+    The worker writes straight to the file (its fd 2), so what a rank printed before a
+    SIGABRT is in it even though the rank is gone.
+    """
+
+    def __init__(self, path: str, rank: int):
+        self.path = path
+        self.rank = rank
+        self._offset = 0
+        self._partial = b""
+
+    def forward(self, final: bool = False) -> None:
+        """Write the complete lines added since the last call to this process's stderr,
+        each prefixed ``[rank r]`` (``final``: the incomplete last line too)."""
+        try:
+            with open(self.path, "rb") as file:
+                file.seek(self._offset)
+                data = file.read()
+        except OSError:
+            return
+        self._offset += len(data)
+        data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = b"" if final else lines.pop()
+        text = "".join(f"[rank {self.rank}] {line.decode(errors='replace')}\n"
+                       for line in lines if line or not final)
+        if text:
+            with contextlib.suppress(Exception):  # a closed or odd sys.stderr must not fail a run
+                sys.stderr.write(text)
+                sys.stderr.flush()
+
+    def tail(self, lines: int = TAIL_LINES) -> str:
+        """The last ``lines`` lines of the file ("" if empty or unreadable)."""
+        return read_tail(self.path, lines)
+
+
+def read_tail(path: str, lines: int = TAIL_LINES) -> str:
+    """The last ``lines`` lines of the file at ``path`` ("" if empty or unreadable)."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(0, os.SEEK_END)
+            size = file.tell()
+            file.seek(max(0, size - _TAIL_BYTES))
+            data = file.read()
+    except OSError:
+        return ""
+    text = data.decode(errors="replace").rstrip("\n")
+    return "\n".join(text.split("\n")[-lines:]) if text else ""
 
 
 _CLOUDPICKLE_CODE_REDUCE = cloudpickle.Pickler.dispatch_table[types.CodeType]
@@ -110,6 +188,17 @@ def dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+def loopback_interface() -> str:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS)."""
+    with contextlib.suppress(OSError):
+        for _, name in socket.if_nameindex():
+            flags = f"/sys/class/net/{name}/flags"
+            with contextlib.suppress(OSError, ValueError), open(flags) as file:
+                if int(file.read(), 16) & 0x8:  # IFF_LOOPBACK
+                    return name
+    return "lo0" if sys.platform == "darwin" else "lo"
+
+
 # --- worker side: one rank's loop and its watchdog -------------------------------------
 
 
@@ -127,15 +216,53 @@ def _send(conn: Connection, message: tuple) -> None:
     conn.send_bytes(cloudpickle.dumps(message))
 
 
-def _watchdog(conn: Connection, main_thread_id: int, in_flight: Callable | None) -> None:
-    """Answer each request with (main thread's stack, collective in flight); exit on EOF."""
+def _group_sequence(dist: Any) -> int:
+    """Collectives issued on this rank's process groups so far (torch's sequence numbers)."""
+    total = 0
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            for group in list(dist.distributed_c10d._world.pg_map):
+                with contextlib.suppress(Exception):
+                    total += group._get_sequence_number_for_group()
+    return total
+
+
+def _progress_signature(main_thread_id: int, counters: list[Callable[[], int]]) -> tuple:
+    """What changes while a rank makes progress: shardfn's and torch's collective counts,
+    heartbeats, and where the main thread's Python code is (its innermost frame)."""
+    frame = sys._current_frames().get(main_thread_id)
+    where = (id(frame), frame.f_lasti, frame.f_lineno) if frame is not None else None
+    del frame
+    return (where, *(counter() for counter in counters))
+
+
+def _watchdog(conn: Connection, main_thread_id: int, in_flight: Callable | None,
+              progress: Any, counters: list[Callable[[], int]]) -> None:
+    """Answer each request with (main thread's stack, collective in flight); exit on EOF.
+
+    Every ``TICK_S`` it also samples :func:`_progress_signature` and bumps the shared
+    ``progress`` counter when it changed: the parent calls a run hung only when no
+    unfinished rank's counter moved for the run's timeout. A rank blocked in one
+    collective, or in one long C call (``time.sleep``), shows no progress.
+    """
+    last = None
     while True:
         try:
-            conn.recv_bytes()
+            asked = conn.poll(TICK_S)
+            if asked:
+                conn.recv_bytes()
         except (EOFError, OSError):
             os._exit(0)  # the parent is gone: never linger as an orphan
+        with contextlib.suppress(Exception):  # a sample must never kill the watchdog
+            signature = _progress_signature(main_thread_id, counters)
+            if signature != last:
+                last = signature
+                progress.value += 1
+        if not asked:
+            continue
         frame = sys._current_frames().get(main_thread_id)
         stack = traceback.format_stack(frame) if frame else ["<no main thread frame>\n"]
+        del frame
         ours = [i for i, line in enumerate(stack) if __file__ in line]  # drop spawn + loop frames
         stack = "".join(stack[ours[-1] + 1 :] if ours and ours[-1] + 1 < len(stack) else stack)
         try:
@@ -146,30 +273,71 @@ def _watchdog(conn: Connection, main_thread_id: int, in_flight: Callable | None)
         _send(conn, (stack, doing))
 
 
+_DIST_DIR = os.sep + os.path.join("torch", "distributed") + os.sep
+
+
+def _distributed_error(error: BaseException, dist: Any) -> bool:
+    """Whether ``error`` (or an exception it was raised from) came out of torch.distributed
+    or gloo: a ``DistError``, a traceback through ``torch/distributed``, or gloo's message."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, getattr(dist, "DistError", ())) or "gloo" in str(error).lower():
+            return True
+        if any(_DIST_DIR in frame.f_code.co_filename
+               for frame, _ in traceback.walk_tb(error.__traceback__)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _redirect_stderr(stderr_path: str, crash_path: str) -> Any:
+    """Point fd 2 at ``stderr_path``; faulthandler's crash stacks go to ``crash_path``."""
+    fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
+    crash_file = open(crash_path, "w")  # noqa: SIM115 - faulthandler keeps it for the process
+    faulthandler.enable(file=crash_file, all_threads=True)
+    return crash_file
+
+
 def main(
-    rank: int, size: int, store_path: str, pg_timeout_s: float, cmd: Connection, watch: Connection
+    rank: int, size: int, store_path: str, pg_timeout_s: float, check: bool,
+    cmd: Connection, watch: Connection, progress: Any, stderr_path: str, crash_path: str,
 ) -> None:
     """Run rank ``rank`` of a ``size``-process world until told to stop or the parent exits."""
+    crash_file = _redirect_stderr(stderr_path, crash_path)  # noqa: F841 - kept open
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # Everything stays on this host: gloo's device on loopback (not whatever the host
+    # name resolves to), and any env:// rendezvous fn might make on 127.0.0.1.
+    os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    in_flight = _optional("shardfn.primitives", "in_flight")
+    in_flight = _optional("shardfn.primitives.stats", "in_flight")
     reset_state = _optional("shardfn.mesh", "reset_state")
+    set_check = _optional("shardfn.primitives.consistency", "check_consistency")
+    failures = _optional("shardfn.primitives.stats", "collective_failures") or (lambda: 0)
+    counters = [c for c in (_optional("shardfn.primitives.stats", "progress"),) if c]
+    counters.append(lambda: _group_sequence(dist))
     threading.Thread(
-        target=_watchdog, args=(watch, threading.get_ident(), in_flight), daemon=True
+        target=_watchdog, args=(watch, threading.get_ident(), in_flight, progress, counters),
+        daemon=True, name="shardfn-watchdog",
     ).start()
     try:
+        if set_check is not None:
+            set_check(check)
         if size > 1:  # a world of one runs with no process group at all
             store = dist.FileStore(store_path, size)
             dist.init_process_group(
                 "gloo", store=store, rank=rank, world_size=size,
                 timeout=timedelta(seconds=pg_timeout_s),
             )
-        _send(cmd, ("ready", None))
+        _send(cmd, (0, "ready", None, False))
     except BaseException:
-        _send(cmd, ("err", traceback.format_exc()))
+        _send(cmd, (0, "err", traceback.format_exc(), True))
         return
     while True:
         try:
@@ -178,19 +346,27 @@ def main(
             break
         if message == STOP:
             break
+        request_id = int.from_bytes(message[:_ID_BYTES], "little")
+        failed_before = failures()
         try:
-            fn, args, kwargs = cloudpickle.loads(message)
-            reply = ("ok", fn(*args, **kwargs))
+            fn, args, kwargs = cloudpickle.loads(message[_ID_BYTES:])
+            reply = (request_id, "ok", fn(*args, **kwargs), False)
         except BaseException as error:  # report everything, SystemExit included
             trace = error.__traceback__
             trace = trace.tb_next if trace is not None and trace.tb_next is not None else trace
-            reply = ("err", "".join(traceback.format_exception(type(error), error, trace)))
+            broken = failures() != failed_before or _distributed_error(error, dist)
+            text = "".join(traceback.format_exception(type(error), error, trace))
+            reply = (request_id, "err", text, broken)
+            del error, trace
         try:
             if reset_state is not None:
                 reset_state()
+            if set_check is not None:
+                set_check(check)
             payload = cloudpickle.dumps(reply)
         except BaseException:
-            payload = cloudpickle.dumps(("err", traceback.format_exc()))
+            payload = cloudpickle.dumps((request_id, "err", traceback.format_exc(), False))
+        del reply
         cmd.send_bytes(payload)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -7,20 +7,26 @@ closures from a notebook or a test module work), calls it on every rank with
 ``torch.distributed`` initialised, and returns the per-rank results.
 
 Failures never leave the world unusable: an exception on a rank raises
-``RankError`` with the remote traceback; a rank that hangs or dies raises
-``WorldTimeout`` with each unfinished rank's Python stack and collective in
-flight. Whenever a rank may still be stuck (in a collective waiting for a failed
-peer, sleeping, dead), the world is killed and respawned before the error is
-raised, so the next ``run`` starts clean. See docs/local_world.md.
+``RankError`` with the remote traceback; a rank that hangs (makes no progress
+for ``timeout`` seconds) or dies raises ``WorldTimeout`` with each unfinished
+rank's Python stack and collective in flight, and a dead rank's exit signal and
+stderr tail. Whenever the process group may be stuck or broken (a rank still
+blocked, dead, or an error that came out of a collective), the world is killed
+and respawned before the error is raised, so the next ``run`` starts clean.
+Concurrent ``run`` calls from several threads are serialized. See
+docs/local_world.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import os
 import signal
 import tempfile
 import textwrap
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait
@@ -33,6 +39,8 @@ from shardfn.testing import _worker
 
 _STARTUP_MIN_S = 60.0  # spawning N torch processes on a busy 2-core machine takes seconds
 _STACK_WAIT_S = 2.0  # how long to wait for the watchdogs' stack reports
+_PG_TIMEOUT_MARGIN_S = 10.0  # the gloo group's timeout is the world's timeout + this
+_CHECK_OFF = ("0", "false", "no", "off")
 
 
 class RankError(RuntimeError):
@@ -53,7 +61,7 @@ class RankError(RuntimeError):
 
 
 class WorldTimeout(RankError, TimeoutError):
-    """Some ranks did not finish: they hung past the timeout or died.
+    """Some ranks did not finish: they made no progress for the timeout, or died.
 
     ``rank`` is the first such rank, ``remote_traceback`` its Python stack (empty
     for a dead rank) and ``ranks`` all of them; the message describes each.
@@ -82,15 +90,52 @@ def _indent(text: str) -> str:
     return textwrap.indent(text.rstrip(), "    ")
 
 
+def _seconds(name: str, value: Any, *, none_ok: bool = False, zero_ok: bool = False) -> Any:
+    """Validate a duration: a finite real number > 0 (>= 0 with ``zero_ok``), or None."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds"
+                        f"{' or None' if none_ok else ''}, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+    return value
+
+
+def _dead_report(rank: int, exitcode: int | None, stderr: str, crash: str) -> str:
+    """How a dead rank is described: its exit, its stderr tail, faulthandler's stacks."""
+    text = f"rank {rank} is dead ({_exit_text(exitcode)})"
+    if stderr:
+        text += f"; last lines of its stderr:\n{_indent(stderr)}"
+    else:
+        text += "; its stderr is empty"
+    if crash.strip():
+        text += f"\n  its Python stacks when it crashed (faulthandler):\n{_indent(crash)}"
+    return text
+
+
 class LocalWorld:
     """A pool of ``size`` CPU processes in a gloo group, started once and reused.
 
     Args:
-        size: number of ranks (1 runs in one worker process with no process group).
-        timeout: default seconds a ``run`` may take; the gloo group's own timeout is
-            set ``10`` seconds above it.
+        size: number of ranks, an int >= 1 (1 runs in one worker with no process group).
+        timeout: default seconds a ``run`` may go **without progress** before it counts
+            as hung (progress: a collective started or finished, ``heartbeat()``, a
+            change of the Python stack, on any unfinished rank). A long run that keeps
+            making progress is never killed by it.
+        deadline: default total seconds a ``run`` may take (None: no total limit).
         grace: seconds the other ranks get to finish after one rank fails before the
             world is presumed stuck and restarted.
+        pg_timeout: the gloo group's own timeout for one collective (default
+            ``timeout + 10``).
+        check: check mode (``shardfn.check_consistency``) in the workers; None: on,
+            unless the environment has ``SHARDFN_CHECK=0``. Restored after every run.
+
+    Raises:
+        TypeError / ValueError: for a size that is not an int >= 1, or a duration that
+            is not a finite number > 0.
 
     Example:
         >>> world = LocalWorld(2)
@@ -99,61 +144,95 @@ class LocalWorld:
         >>> world.close()
     """
 
-    def __init__(self, size: int, *, timeout: float = 120.0, grace: float = 2.0):
-        if not isinstance(size, int) or size < 1:
+    def __init__(self, size: int, *, timeout: float = 120.0, deadline: float | None = None,
+                 grace: float = 2.0, pg_timeout: float | None = None,
+                 check: bool | None = None):
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise TypeError(f"LocalWorld size must be an int >= 1, got {size!r}")
+        if size < 1:
             raise ValueError(f"LocalWorld size must be an int >= 1, got {size!r}")
-        self.size = size
-        self.timeout = float(timeout)
-        self.grace = float(grace)
+        if check is not None and not isinstance(check, bool):
+            raise TypeError(f"LocalWorld check must be True, False or None, got {check!r}")
+        self.size = int(size)
+        self.timeout = _seconds("LocalWorld timeout", timeout)
+        self.deadline = _seconds("LocalWorld deadline", deadline, none_ok=True)
+        self.grace = _seconds("LocalWorld grace", grace, zero_ok=True)
+        self.pg_timeout = (self.timeout + _PG_TIMEOUT_MARGIN_S if pg_timeout is None
+                           else _seconds("LocalWorld pg_timeout", pg_timeout))
+        if check is None:
+            check = os.environ.get("SHARDFN_CHECK", "1").strip().lower() not in _CHECK_OFF
+        self.check = check
+        self._lock = threading.Lock()  # one run at a time: replies are read off shared pipes
+        self._request_id = 0
         self._tmpdir = tempfile.mkdtemp(prefix="shardfn-world-")
         self._generation = 0
         self._ranks: list[_worker.Rank] = []  # mutated in place: the finalizer holds the same list
         self._ready = False
+        self._last_progress: list[float] = []  # per rank, monotonic time, during a run
         self._finalizer = weakref.finalize(self, _worker.shutdown, self._ranks, self._tmpdir)
         self._respawn()
         self._await_ready()
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
-            **kwargs: Any) -> list[Any]:
+            deadline: float | None = None, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank and return the results by rank.
+
+        Safe to call from several threads: the calls run one after the other.
 
         Args:
             fn: any function cloudpickle can ship; inside it ``torch.distributed`` is
                 initialised (gloo, this world's size, rank = list index) unless size is 1.
-            *args, **kwargs: arguments, pickled and sent to every rank.
-            timeout: seconds before unfinished ranks count as hung (default: the world's).
+            *args, **kwargs: arguments, pickled and sent to every rank (``timeout`` and
+                ``deadline`` are this method's own).
+            timeout: seconds without progress on every unfinished rank before the run
+                counts as hung (default: the world's); a finite number > 0.
+            deadline: total seconds the run may take (default: the world's, None = no
+                total limit); a finite number > 0.
 
         Returns:
             ``[result_of_rank_0, ..., result_of_rank_{size-1}]``.
 
         Raises:
+            TypeError / ValueError: for a timeout or deadline that is not a finite
+                number of seconds > 0.
             RankError: ``fn`` raised on a rank (message has the rank and its traceback).
-            WorldTimeout: a rank hung past ``timeout`` or died; names each such rank
-                with its Python stack and the collective in flight.
+            WorldTimeout: the ranks made no progress for ``timeout``, ran past
+                ``deadline``, or a rank died; names each such rank with its Python stack
+                and the collective in flight, or its exit signal and stderr tail.
 
         Example:
             >>> world.run(lambda x: x + torch.distributed.get_rank(), 10)
             [10, 11]
         """
-        if not self._finalizer.alive:
-            raise RuntimeError("this LocalWorld is closed")
-        timeout = self.timeout if timeout is None else float(timeout)
-        self._await_ready()
+        timeout = self.timeout if timeout is None else _seconds("run timeout", timeout)
+        deadline = self.deadline if deadline is None else _seconds("run deadline", deadline)
         payload = _worker.dumps((fn, args, kwargs))
-        try:
-            for rank in self._ranks:
-                rank.cmd.send_bytes(payload)
-            replies, pending = self._collect(monotonic() + timeout, self.grace)
-        except BaseException:  # Ctrl-C or a test timeout mid-run: the ranks are mid-fn
-            self._respawn()
-            raise
-        if all(replies.get(rank, ("",))[0] == "ok" for rank in range(self.size)):
-            return [replies[rank][1] for rank in range(self.size)]
-        raise self._failure(getattr(fn, "__qualname__", repr(fn)), timeout, replies, pending)
+        with self._lock:
+            if not self._finalizer.alive:
+                raise RuntimeError("this LocalWorld is closed")
+            self._await_ready()
+            self._request_id += 1
+            message = _worker.request(self._request_id, payload)
+            try:
+                for rank in self._ranks:
+                    rank.cmd.send_bytes(message)
+                replies, pending, why = self._collect(self._request_id, timeout, deadline,
+                                                      self.grace)
+            except BaseException:  # Ctrl-C or a test timeout mid-run: the ranks are mid-fn
+                self._respawn()
+                raise
+            if all(replies.get(rank, ("",))[0] == "ok" for rank in range(self.size)):
+                return [replies[rank][1] for rank in range(self.size)]
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise self._failure(name, why, (timeout, deadline), replies, pending)
 
     def close(self) -> None:
-        """Stop the workers (cleanly, else by SIGKILL) and reap them; idempotent."""
-        self._finalizer()
+        """Stop the workers (cleanly, else by SIGKILL) and reap them; idempotent.
+
+        Waits for a ``run`` in progress in another thread to end first.
+        """
+        with self._lock:
+            self._finalizer()
 
     def __enter__(self) -> LocalWorld:
         return self
@@ -170,7 +249,7 @@ class LocalWorld:
         _worker.kill(self._ranks)
         self._generation += 1
         store_path = os.path.join(self._tmpdir, f"store{self._generation}")
-        self._ranks[:] = _worker.spawn(self.size, store_path, self.timeout + 10.0)
+        self._ranks[:] = _worker.spawn(self.size, store_path, self.pg_timeout, self.check)
         self._ready = False
 
     def _await_ready(self) -> None:
@@ -179,32 +258,46 @@ class LocalWorld:
             return
         if self._ready:
             self._respawn()
-        replies, pending = self._collect(monotonic() + max(self.timeout, _STARTUP_MIN_S), 0.0)
+        limit = max(self.timeout, _STARTUP_MIN_S)
+        replies, pending, _ = self._collect(0, None, limit, 0.0)
         failed = {r: reply for r, reply in replies.items() if reply[0] != "ready"}
         if failed or pending:
             reports = [f"rank {r} had not joined the group yet" for r in pending] + [
                 f"rank {r} raised:\n{_indent(value)}" if kind == "err"
-                else f"rank {r} died ({_exit_text(value)})" for r, (kind, value) in failed.items()
+                else self._dead(r, value) for r, (kind, value, _) in failed.items()
             ]
-            self.close()
+            self._finalizer()
             raise RuntimeError("LocalWorld failed to start; it is now closed.\n"
                                + "\n".join(reports))
         self._ready = True
 
-    def _collect(self, deadline: float, grace: float) -> tuple[dict[int, tuple], list[int]]:
-        """Wait for one reply per rank until ``deadline`` (or ``grace`` after a failure).
+    def _collect(self, request_id: int, stall: float | None, total: float | None,
+                 grace: float) -> tuple[dict[int, tuple], list[int], str]:
+        """Wait for one reply per rank to request ``request_id``.
 
-        Returns the replies by rank in arrival order (``("dead", exitcode)`` for a
-        rank whose process ended) and the ranks that never answered.
+        Stops when every rank answered, when no unfinished rank made progress for
+        ``stall`` seconds, after ``total`` seconds, or ``grace`` seconds after a rank
+        failed. Returns the replies by rank in arrival order as ``(kind, value, broken)``
+        (``("dead", exitcode, True)`` for a rank whose process ended), the ranks that
+        never answered, and why the wait stopped (``"done"``, ``"stall"``, ``"deadline"``
+        or ``"grace"``).
         """
+        start = monotonic()
+        limit = start + total if total is not None else math.inf
+        why = "deadline"
+        counts = [rank.progress.value for rank in self._ranks]
+        self._last_progress = [start] * self.size
         replies: dict[int, tuple] = {}
         waiting = {}
         for index, rank in enumerate(self._ranks):
             waiting[rank.cmd] = waiting[rank.process.sentinel] = index
         while waiting:
-            ready = wait(list(waiting), timeout=max(0.0, deadline - monotonic()))
-            if not ready:
+            now = monotonic()
+            stalled_at = max(self._last_progress) + stall if stall is not None else math.inf
+            if now >= min(limit, stalled_at):
+                why = why if now >= limit else "stall"
                 break
+            ready = wait(list(waiting), timeout=min(limit, stalled_at, now + _worker.TICK_S) - now)
             for index in dict.fromkeys(waiting[obj] for obj in ready):
                 rank = self._ranks[index]
                 try:
@@ -213,12 +306,28 @@ class LocalWorld:
                     reply = None
                 if reply is None:
                     rank.process.join(1.0)
-                    reply = ("dead", rank.process.exitcode)
-                replies[index] = reply
-                if reply[0] in ("err", "dead"):
-                    deadline = min(deadline, monotonic() + grace)
+                    reply = (request_id, "dead", rank.process.exitcode, True)
+                if reply[0] != request_id:
+                    continue  # a stale reply (never expected: stuck runs respawn)
+                replies[index] = reply[1:]
+                if reply[1] in ("err", "dead") and monotonic() + grace < limit:
+                    limit, why = monotonic() + grace, "grace"
             waiting = {obj: index for obj, index in waiting.items() if index not in replies}
-        return replies, [index for index in range(self.size) if index not in replies]
+            now = monotonic()
+            for index, rank in enumerate(self._ranks):
+                rank.stderr.forward()
+                if index not in replies and rank.progress.value != counts[index]:
+                    counts[index] = rank.progress.value
+                    self._last_progress[index] = now
+        else:
+            why = "done"
+        return replies, [index for index in range(self.size) if index not in replies], why
+
+    def _dead(self, index: int, exitcode: int | None) -> str:
+        rank = self._ranks[index]
+        rank.stderr.forward(final=True)
+        return _dead_report(index, exitcode, rank.stderr.tail(),
+                            _worker.read_tail(rank.crash_path))
 
     def _stacks(self, ranks: list[int]) -> dict[int, tuple[str, str | None]]:
         """Ask the watchdogs of ``ranks`` for (Python stack, collective in flight)."""
@@ -236,47 +345,71 @@ class LocalWorld:
                 del asked[conn]
         return {r: reports.get(r, ("<the watchdog did not answer>\n", "unknown")) for r in ranks}
 
-    def _failure(self, name: str, timeout: float, replies: dict[int, tuple],
-                 pending: list[int]) -> RankError:
-        """Build the error for a failed run, restarting the world if a rank may be stuck."""
+    def _failure(self, name: str, why: str, limits: tuple[float, float | None],
+                 replies: dict[int, tuple], pending: list[int]) -> RankError:
+        """Build the error for a failed run, restarting the world if the group may be broken.
+
+        Restarts when a rank is dead or still running (stuck, or blocked on a failed
+        peer), or when a rank's error came out of a collective or torch.distributed
+        (a gloo timeout, a closed connection): the group may be out of step or closed.
+        A plain exception raised outside any collective keeps the processes.
+        """
+        now = monotonic()
         stacks = self._stacks(pending)
-        errors = [r for r, (kind, _) in replies.items() if kind == "err"]
-        dead = [r for r, (kind, _) in replies.items() if kind == "dead"]
+        errors = [r for r, (kind, _, _) in replies.items() if kind == "err"]
+        dead = [r for r, (kind, _, _) in replies.items() if kind == "dead"]
+        broken = [r for r in errors if replies[r][2]]
         lines = []
         for r in range(self.size):
-            kind, value = replies.get(r, ("pending", None))
+            kind, value, _ = replies.get(r, ("pending", None, True))
             if kind == "err":
                 lines.append(f"rank {r} raised:\n{_indent(value)}")
             elif kind == "dead":
-                lines.append(f"rank {r} is dead ({_exit_text(value)})")
+                lines.append(self._dead(r, value))
             elif kind == "pending":
                 stack, doing = stacks[r]
-                lines.append(f"rank {r} did not finish; collective in flight: {doing}; "
-                             f"Python stack:\n{_indent(stack)}")
-        if dead or pending:
+                idle = now - self._last_progress[r]
+                lines.append(f"rank {r} did not finish (no progress for {idle:.1f}s); "
+                             f"collective in flight: {doing}; Python stack:\n{_indent(stack)}")
+        if dead or pending or broken:
             self._respawn()
-            lines.append("(the world was restarted: the next run starts on fresh processes)")
+            cause = (f"rank(s) {broken} failed in a collective or torch.distributed, so the "
+                     "process group may be broken" if broken and not (dead or pending)
+                     else "ranks were dead or still running")
+            lines.append(f"(the world was restarted: {cause}; the next run starts on fresh "
+                         "processes)")
         details = "\n".join(lines)
         if errors and not dead:
             first = errors[0]
             return RankError(first, replies[first][1], f"{name} raised on rank {first}\n{details}")
         first = sorted(dead)[0] if dead else pending[0]  # a death is the likelier root cause
-        why = (f"rank(s) {sorted(dead)} died while running {name}" if dead
-               else f"rank(s) {pending} did not finish {name} within {timeout:g}s")
+        if dead:
+            head = f"rank(s) {sorted(dead)} died while running {name}"
+        elif why == "stall":
+            head = (f"rank(s) {pending} did not finish {name}: no progress on any of them "
+                    f"for the run timeout of {limits[0]:g}s")
+        else:
+            head = (f"rank(s) {pending} did not finish {name} within the run deadline of "
+                    f"{limits[1]:g}s")
         stack = stacks[first][0] if first in stacks else ""
-        return WorldTimeout(first, stack, f"{why}\n{details}", tuple(sorted(dead + pending)))
+        return WorldTimeout(first, stack, f"{head}\n{details}", tuple(sorted(dead + pending)))
 
 
 @contextlib.contextmanager
-def local_world(size: int, *, timeout: float = 120.0, grace: float = 2.0) -> Iterator[LocalWorld]:
+def local_world(size: int, *, timeout: float = 120.0, deadline: float | None = None,
+                grace: float = 2.0, pg_timeout: float | None = None,
+                check: bool | None = None) -> Iterator[LocalWorld]:
     """Start a ``LocalWorld`` of ``size`` processes for a ``with`` block, closing it on exit.
+
+    Takes the arguments of :class:`LocalWorld`.
 
     Example:
         >>> with local_world(4) as world:
         ...     world.run(lambda: torch.distributed.get_world_size())
         [4, 4, 4, 4]
     """
-    world = LocalWorld(size, timeout=timeout, grace=grace)
+    world = LocalWorld(size, timeout=timeout, deadline=deadline, grace=grace,
+                       pg_timeout=pg_timeout, check=check)
     try:
         yield world
     finally:
