@@ -99,7 +99,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _torchrun(script: Path, nproc: int = 2) -> subprocess.CompletedProcess:
+def _torchrun(script: Path, nproc: int = 2,
+              extra_args: tuple[str, ...] | list[str] = ()) -> subprocess.CompletedProcess:
     """Run ``script`` under real torchrun on CPU, on loopback; kill the whole tree on timeout."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
@@ -107,7 +108,7 @@ def _torchrun(script: Path, nproc: int = 2) -> subprocess.CompletedProcess:
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own connections stay on loopback
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), str(script)]
+               "--master-port", str(_free_port()), str(script), *extra_args]
     process = subprocess.Popen(command, cwd=script.parent, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -156,6 +157,31 @@ def test_torchrun_with_initialize_trains_like_the_local_world(tmp_path, worlds):
         for name, value in params.items():
             assert_close(run["params"][name], value)
     assert not torch.equal(params["0.weight"], train(steps=0, sharded=False)[1]["0.weight"])
+
+
+def _demo_final_line(steps: int) -> str:
+    """examples/demo.py's train_on_rank on this rank, summed up as the demo's final line."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("shardfn_demo", DEMO)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    losses, params, *_ = demo.train_on_rank(steps, True)
+    return f"loss {losses[-1]:.8f}  param checksum {demo.checksum(params):.10f}"
+
+
+DEMO = REPO / "examples" / "demo.py"
+
+
+def test_demo_runs_unchanged_under_torchrun(tmp_path, worlds):
+    result = _torchrun(DEMO, extra_args=["--steps", "2"])
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "joined a torchrun world of 2 processes (gloo, cpu)" in output
+    assert output.count("sharded training matches single-process training: OK") == 1, output
+    final = [line for line in result.stdout.splitlines() if line.startswith("final: ")]
+    expected = worlds(2).run(_demo_final_line, 2)
+    assert final == [f"final: world 2  {expected[0]}"], output
 
 
 # ---- initialize() without torchrun ------------------------------------------------------
