@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_unflatten as _torch_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardfn import pytree
+from shardfn.primitives import autocast_state
 
 __all__ = [
     "Offload",
@@ -78,6 +79,13 @@ aten = torch.ops.aten
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _unwrap_level = torch._C._functorch.get_unwrapped
 _TransformType = torch._C._functorch.TransformType
+_CASTS = frozenset({aten._to_copy.default})  # autocast's casts (some come from its weight cache)
+# ops that update arguments in place without saying so in their schema: argument positions
+_UNDECLARED_WRITES = {
+    aten.native_batch_norm.default: (3, 4),  # running_mean, running_var (training=True)
+    aten.cudnn_batch_norm.default: (3, 4),
+    aten.miopen_batch_norm.default: (3, 4),
+}
 
 
 class Offload(NamedTuple):
@@ -221,6 +229,8 @@ def _replayable(func, args, kwargs, outs: list) -> bool:
     schema = func._schema
     if func is aten._unsafe_view.default or torch.Tag.nondeterministic_seeded in func.tags:
         return False
+    if func in _UNDECLARED_WRITES:  # replaying it would skip its update of running stats
+        return False
     if any(a.alias_info is not None for a in schema.arguments):
         return False  # views, in-place and out= ops
     if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
@@ -280,15 +290,26 @@ def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
 
 
 class _Recorder(TorchDispatchMode):
-    """Forward: runs every op, keeps the outputs the policy saves."""
+    """Forward: runs every op, keeps the outputs the policy saves.
 
-    def __init__(self, policy: Policy, inputs: list[torch.Tensor]):
+    Ops in ``uncounted`` (autocast's casts, some of which its weight cache serves
+    without running an op) are neither counted nor saved, so that a recomputation
+    that casts more or fewer times still matches every other op by its count.
+    The first in-place write to an input records a copy of that input's value
+    before the forward (``mutated``: input index -> copy), for the recomputation.
+    """
+
+    def __init__(self, policy: Policy, inputs: list[torch.Tensor], *,
+                 uncounted: frozenset = frozenset()):
         super().__init__()
         self.policy = policy
+        self.uncounted = uncounted
         self.counts: Counter = Counter()
         self.saved: dict[tuple, _Saved] = {}
         self.producers = WeakIdKeyDictionary()  # op output -> (key, signature, weak outputs)
+        self.inputs = list(inputs)
         self.input_storages = {_storage_ptr(_base(t)) for t in inputs}
+        self.mutated: dict[int, torch.Tensor] = {}
 
     def __enter__(self):
         _RECORDERS.append(self)
@@ -301,7 +322,10 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self._check_closure(func, args, kwargs)
+        self._note_input_writes(func, args, kwargs)
         out = func(*args, **kwargs)
+        if func in self.uncounted:
+            return out
         key = (func, self.counts[func])
         self.counts[func] += 1
         outs = _torch_flatten(out)[0]
@@ -319,11 +343,54 @@ class _Recorder(TorchDispatchMode):
     def _check_closure(self, func, args, kwargs) -> None:
         for t in _torch_flatten((args, kwargs))[0]:
             if (isinstance(t, torch.Tensor) and t.requires_grad
-                    and _storage_ptr(t) not in self.input_storages):
+                    and _storage_ptr(t) not in self.input_storages
+                    and not self._cast_of_input(t)):
                 raise ValueError(
                     f"remat: the function reads a tensor of shape {tuple(t.shape)} that requires "
                     f"grad but is not one of its arguments (a closure?) in {func}; pass it as an "
                     "argument so that it gets a gradient")
+
+    def _cast_of_input(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is autocast's cached cast of an argument (``ToCopy`` of that leaf).
+
+        Autocast keeps one cast per leaf that requires grad and hands it out
+        without running an op, so the forward sees a tensor that requires grad
+        and lives in no argument's storage. It is still a function of an
+        argument: the recomputation casts that argument again.
+        """
+        fn = t.grad_fn
+        if fn is None or type(fn).__name__ != "ToCopyBackward0":
+            return False
+        sources = [f for f, _ in fn.next_functions if f is not None]
+        return (len(sources) == 1 and hasattr(sources[0], "variable")
+                and _storage_ptr(sources[0].variable) in self.input_storages)
+
+    def _note_input_writes(self, func, args, kwargs) -> None:
+        if not self.input_storages:
+            return
+        arguments = func._schema.arguments
+        undeclared = _UNDECLARED_WRITES.get(func, ())
+        for position, argument in enumerate(arguments):
+            declared = argument.alias_info is not None and argument.alias_info.is_write
+            if not declared and position not in undeclared:
+                continue
+            value = args[position] if position < len(args) else kwargs.get(argument.name)
+            for t in value if isinstance(value, list | tuple) else (value,):
+                if isinstance(t, torch.Tensor) and _storage_ptr(t) in self.input_storages:
+                    self._keep_before_write(t, func)
+
+    def _keep_before_write(self, written: torch.Tensor, func) -> None:
+        ptr = _storage_ptr(written)
+        for index, t in enumerate(self.inputs):
+            if index in self.mutated or _storage_ptr(_base(t)) != ptr:
+                continue
+            if t.requires_grad:
+                raise ValueError(
+                    f"remat: the function updates in place ({func}) its argument of shape "
+                    f"{tuple(t.shape)} that requires grad; autograd cannot follow that "
+                    "through a remat. Update a copy (x = x + ...) or pass a tensor that "
+                    "does not require grad (a buffer)")
+            self.mutated[index] = t.detach().clone()
 
     def tag(self, tensor: torch.Tensor, name: str) -> None:
         """``checkpoint_name``: the policy decides again, with ``name``, for ``tensor``'s op."""
@@ -347,13 +414,16 @@ class _Recorder(TorchDispatchMode):
 class _Replayer(TorchDispatchMode):
     """Recompute: saved ops return their saved outputs, every other op runs."""
 
-    def __init__(self, saved: dict[tuple, _Saved]):
+    def __init__(self, saved: dict[tuple, _Saved], *, uncounted: frozenset = frozenset()):
         super().__init__()
         self.saved = saved
+        self.uncounted = uncounted
         self.counts: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in self.uncounted:
+            return func(*args, **kwargs)
         key = (func, self.counts[func])
         self.counts[func] += 1
         saved = self.saved.get(key)
@@ -409,7 +479,10 @@ class _Call:
         self.tensors = [leaves[i] for i in self.positions]
         self.static = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         self.fn, self.policy = fn, policy
+        self.autocast = autocast_state.capture()  # recomputation replays the forward's state
+        self.uncounted = _CASTS if self.autocast.any_enabled else frozenset()
         self.saved: dict[tuple, _Saved] = {}
+        self.mutated: dict[int, torch.Tensor] = {}  # input index -> its value before forward
         self.rng: _RngState | None = None
         self.out_treedef = None
         self.out_static: list = []
@@ -442,22 +515,41 @@ class _Call:
         return pytree.tree_unflatten(self.out_treedef, leaves)
 
 
+def _check_writes_seen(tensors, versions, mutated) -> None:
+    """Refuse an argument changed in place by an op that remat could not see coming."""
+    for index, (t, version) in enumerate(zip(tensors, versions, strict=True)):
+        if t._version != version and index not in mutated:
+            raise ValueError(
+                f"remat: the function changed its tensor argument {index} (shape "
+                f"{tuple(t.shape)}, {t.dtype}) in place with an op that does not declare the "
+                "write, so the recomputation cannot start from its value before the forward; "
+                "update a copy instead (x = x + ...)")
+
+
 class _RematFunction(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
     def forward(call: _Call, *tensors):
         call.rng = _rng_state(tensors)
-        recorder = _Recorder(call.policy, list(tensors))
+        recorder = _Recorder(call.policy, list(tensors), uncounted=call.uncounted)
+        versions = [t._version for t in tensors]
         with torch.no_grad(), recorder:
             out = call.run(tensors)
         call.saved = recorder.finish()
+        call.mutated = recorder.mutated
+        _check_writes_seen(tensors, versions, call.mutated)
         return call.flatten_output(out)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.call = inputs[0]
-        ctx.save_for_backward(*inputs[1:])
+        call: _Call = inputs[0]
+        ctx.call = call
+        # an argument fn updated in place (num_batches_tracked += 1) is rebuilt from its
+        # value before the forward; integer ones are never differentiated: not kept twice
+        ctx.save_for_backward(*(
+            None if i in call.mutated and not _differentiable(t) else t
+            for i, t in enumerate(inputs[1:])))
         constant = [o for o in output if not _differentiable(o)]
         if constant:
             ctx.mark_non_differentiable(*constant)
@@ -466,18 +558,22 @@ class _RematFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         call: _Call = ctx.call
         tensors = list(ctx.saved_tensors)
-        keep_graph = _higher_order_possible(tensors)
+        present = [t for t in tensors if t is not None]
+        keep_graph = _higher_order_possible(present)
         if not keep_graph:  # else the outer create_graph would keep every recomputed value
-            tensors = [t.detach() for t in tensors]
+            tensors = [None if t is None else t.detach() for t in tensors]
         wrt = [i for i, t in enumerate(tensors)
-               if ctx.needs_input_grad[i + 1] and _differentiable(t)]
+               if ctx.needs_input_grad[i + 1] and t is not None and _differentiable(t)]
         outs = [i for i, g in enumerate(grads) if g is not None and call.out_differentiable[i]]
 
         def recompute(*inputs):
             full = list(tensors)
             for i, t in zip(wrt, inputs, strict=True):
                 full[i] = t
-            with _Replayer(call.saved):
+            for i, before in call.mutated.items():  # fn updates a fresh copy, not the caller's
+                now = full[i]  # (a differentiated one: the value before, the gradient to now)
+                full[i] = before.clone() if now is None else before + (now - now.detach())
+            with _Replayer(call.saved, uncounted=call.uncounted):
                 out = call.output_tensors(call.run(full))
             return tuple(out[i] for i in outs)
 
@@ -488,12 +584,14 @@ class _RematFunction(torch.autograd.Function):
                 torch.set_rng_state(call.rng.cpu)
                 for index, state in call.rng.cuda.items():
                     torch.cuda.set_rng_state(state, index)
-                _, vjp_fn = torch.func.vjp(recompute, *[tensors[i] for i in wrt])
+                with call.autocast.replay():
+                    _, vjp_fn = torch.func.vjp(recompute, *[tensors[i] for i in wrt])
             cotangents = tuple(grads[i] if keep_graph else grads[i].detach() for i in outs)
             grads_in = vjp_fn(cotangents)
             for i, g in zip(wrt, grads_in, strict=True):
                 input_grads[i] = g
         call.saved = {}  # free early; a second backward (retain_graph) recomputes everything
+        # (call.mutated stays: a second backward must rebuild the same arguments)
         return (None, *input_grads)
 
 

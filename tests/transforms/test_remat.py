@@ -451,3 +451,190 @@ def test_collectives_inside_remat(worlds, policy):
         assert_close(autograd_grad, want[0])
         # the forward gathers once; the recomputation gathers again unless the value is saved
         assert calls == (1 if policy == "everything" else 2)
+
+
+# ----------------------------------------------------------------------------- autocast
+AUTOCAST_POLICIES = ["nothing", "everything", "dots", "names", "save_and_offload_names",
+                     "offload_dots"]
+
+
+def autocast_grads(fn, p, x, cot, *, cache=True):
+    """{how: (param grads, input grads)}; forward under bf16 autocast, backward as named."""
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache)
+
+    def loss(p, x):
+        return (fn(p, x).float() * cot).sum()
+
+    results = {}
+    with autocast():  # torch.func.grad: the backward runs inside the autocast block too
+        results["grad"] = torch.func.grad(loss, argnums=(0, 1))(p, x)
+    with autocast():  # the usual case: forward under autocast, backward outside it
+        out, vjp_fn = torch.func.vjp(loss, p, x)
+    results["vjp_outside"] = vjp_fn(torch.ones_like(out))
+    leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
+    x_leaf = x.clone().requires_grad_()
+    with autocast():
+        value = loss(leaves, x_leaf)
+    value.backward()
+    results["autograd_outside"] = ({k: v.grad for k, v in leaves.items()}, x_leaf.grad)
+    leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
+    x_leaf = x.clone().requires_grad_()
+    with autocast():
+        loss(leaves, x_leaf).backward()
+    results["autograd_inside"] = ({k: v.grad for k, v in leaves.items()}, x_leaf.grad)
+    return results
+
+
+def autocast_case(seed=0, batch=5, d=6, hidden=12):
+    gen = torch.Generator().manual_seed(seed)
+    p, x = init_block(d, hidden, gen), torch.randn(batch, d, generator=gen)
+    return p, x, torch.randn(batch, d, generator=gen)
+
+
+EXACT = {"rtol": 0.0, "atol": 0.0}  # the same ops on the same dtypes: bit for bit
+
+
+@pytest.mark.parametrize("policy", AUTOCAST_POLICIES)
+def test_autocast_recompute_replays_the_forward_autocast(policy):
+    p, x, cot = autocast_case()
+    ref = autocast_grads(block, p, x, cot)
+    got = autocast_grads(remat(block, POLICIES[policy]), p, x, cot)
+    for how in ref:
+        assert_close(got[how], ref[how], **EXACT, msg=lambda m, h=how: f"{policy} {h}: {m}")
+    # bf16 really ran: fp32 gradients differ by far more than round-off
+    fp32 = torch.func.grad(lambda p, x: (block(p, x) * cot).sum())(p, x)
+    assert not torch.allclose(fp32["w1"], ref["grad"][0]["w1"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", AUTOCAST_POLICIES)
+def test_autocast_chained_remat_calls(policy):
+    p, x, cot = autocast_case(1)
+    fast = remat(block, POLICIES[policy])
+
+    def chained(fn):
+        return lambda p, x: fn(p, fn(p, x))
+
+    # without the weight cache every use casts on its own, as each recomputation does
+    ref = autocast_grads(chained(block), p, x, cot, cache=False)
+    got = autocast_grads(chained(fast), p, x, cot, cache=False)
+    for how in ref:
+        assert_close(got[how], ref[how], **EXACT, msg=lambda m, h=how: f"{policy} {h}: {m}")
+    # with it, the plain function sums the two uses' bf16 gradients of one cached cast
+    # before casting to fp32, remat casts each call's gradient first: bf16 round-off apart
+    ref = autocast_grads(chained(block), p, x, cot)
+    got = autocast_grads(chained(fast), p, x, cot)
+    for how in ref:
+        assert_close(got[how], ref[how], rtol=2e-2, atol=2e-2,
+                     msg=lambda m, h=how: f"{policy} {h}: {m}")
+
+
+def test_autocast_weight_cache_is_not_a_closure_but_closures_still_raise():
+    p, x, cot = autocast_case(2)
+    leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x @ leaves["w1"]  # the cast of w1 is now in autocast's cache, made outside remat
+        remat(block)(leaves, x).float().sum().backward()
+    assert leaves["w1"].grad is not None
+    closed = torch.randn(6, 6, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="closure"):
+        x @ closed  # cached cast of a tensor that is not an argument
+        remat(lambda p, x: block(p, x) @ closed)(leaves, x)
+
+
+def test_autocast_state_of_the_forward_not_of_the_backward():
+    p, x, cot = autocast_case(3)
+    fast = remat(block, POLICIES["dots"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, ref_vjp = torch.func.vjp(block, p, x)
+        _, vjp_fn = torch.func.vjp(fast, p, x)
+    with torch.autocast("cpu", enabled=False):  # the backward's own state does not matter
+        assert_close(vjp_fn(cot.bfloat16()), ref_vjp(cot.bfloat16()), **EXACT)
+    _, vjp_fn = torch.func.vjp(fast, p, x)  # no autocast in forward: none in recomputation
+    _, ref_vjp = torch.func.vjp(block, p, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (both backwards run under it)
+        assert_close(vjp_fn(cot), ref_vjp(cot), **EXACT)
+
+
+@pytest.mark.parametrize("policy", ["everything", "all_but_names"])
+def test_autocast_cache_hits_do_not_shift_the_replayed_ops(policy):
+    # square weights: a cast replayed in the wrong place would pass the shape check
+    p, x, cot = autocast_case(4, batch=6, d=6, hidden=6)
+    fast = remat(block, POLICIES[policy])
+    ref = autocast_grads(lambda p, x: block(p, block(p, x)), p, x, cot)
+    got = autocast_grads(lambda p, x: fast(p, fast(p, x)), p, x, cot)
+    for how in ref:
+        assert_close(got[how], ref[how], rtol=2e-2, atol=2e-2,
+                     msg=lambda m, h=how: f"{policy} {h}: {m}")
+
+
+# ----------------------------------------------------------------------------- in-place arguments
+def bn_step(p, x):
+    """BatchNorm in training mode on its arguments: running stats and the count change in place."""
+    h = torch.nn.functional.batch_norm(x @ p["w"], p["running_mean"], p["running_var"],
+                                       p["gamma"], p["beta"], training=True, momentum=0.1)
+    p["num_batches_tracked"].add_(1)
+    return torch.tanh(h) * p["running_mean"]  # reads the updated statistics too
+
+
+def bn_state(gen, d=4):
+    return {"w": torch.randn(3, d, generator=gen), "gamma": torch.rand(d, generator=gen) + 0.5,
+            "beta": torch.randn(d, generator=gen), "running_mean": torch.randn(d, generator=gen),
+            "running_var": torch.rand(d, generator=gen) + 0.5,
+            "num_batches_tracked": torch.tensor(3)}
+
+
+TRAINED = ("w", "gamma", "beta")
+
+
+def bn_results(fn, how, gen_seed=0):
+    """(grads of the trained leaves, the buffers after the call) of one bn step."""
+    gen = torch.Generator().manual_seed(gen_seed)
+    state, x = bn_state(gen), torch.randn(6, 3, generator=gen)
+    buffers = {k: v for k, v in state.items() if k not in TRAINED}
+
+    def loss(trained, buffers, x):  # buffers are arguments: torch.func lets them change
+        return fn({**trained, **buffers}, x).pow(2).sum()
+
+    trained = {k: state[k] for k in TRAINED}
+    if how == "grad":
+        grads = torch.func.grad(loss)(trained, buffers, x)
+    else:
+        trained = {k: v.clone().requires_grad_() for k, v in trained.items()}
+        loss(trained, buffers, x).backward()
+        grads = {k: v.grad for k, v in trained.items()}
+    return grads, buffers
+
+
+@pytest.mark.parametrize("how", ["grad", "autograd"])
+@pytest.mark.parametrize("policy", ["nothing", "dots", "everything"])
+def test_arguments_updated_in_place_are_updated_once(how, policy):
+    ref_grads, ref_buffers = bn_results(bn_step, how)
+    grads, buffers = bn_results(remat(bn_step, POLICIES[policy]), how)
+    assert buffers["num_batches_tracked"].item() == 4  # +1, not +2
+    assert_close(buffers, ref_buffers)  # the forward's single update of the float statistics
+    assert_close(grads, ref_grads)  # recomputed from the values before the update
+
+
+def test_argument_that_requires_grad_updated_in_place_raises():
+    def f(p, x):
+        p["s"].mul_(2)
+        return x * 2
+
+    s = torch.ones(3).requires_grad_().clone()  # non-leaf: in place is allowed by autograd
+    with pytest.raises(ValueError, match="updates in place"):
+        remat(f)({"s": s}, torch.ones(3, requires_grad=True))
+
+
+def test_float_argument_updated_in_place_under_torch_func_grad():
+    def f(p, x):
+        y = torch.sin(x + p["m"])  # (add saves no input: autograd allows the update)
+        p["m"].mul_(0.5)  # gradient: through the use before and the one after the update
+        return (y * p["m"]).sum()
+
+    def outer(fn):  # m * 1 is not a leaf: torch.func lets f update it in place
+        return lambda m, x: fn({"m": m * 1}, x)
+
+    m, x = torch.randn(4), torch.randn(4)
+    assert_close(torch.func.grad(outer(remat(f)), argnums=(0, 1))(m, x),
+                 torch.func.grad(outer(f), argnums=(0, 1))(m, x))
