@@ -129,7 +129,7 @@ def initialize(
         timeout: the process group's timeout (seconds or a timedelta; default
             torch's).
         device: this process's CUDA device under NCCL (default
-            ``cuda:LOCAL_RANK``: one GPU per local rank).
+            ``cuda:LOCAL_RANK``: one GPU per local rank); an error with gloo.
 
     Returns:
         ``DistributedInfo(rank, world_size, local_rank, backend, device)``. With no
@@ -139,7 +139,8 @@ def initialize(
 
     Raises:
         ValueError: malformed launcher variables (see :func:`launch_environment`),
-            an unknown backend, NCCL without enough GPUs, or an existing group that
+            an unknown backend, NCCL without CUDA or with too few GPUs, ``device=``
+            with gloo, or an existing group that
             contradicts the request or the environment (other backend, rank or size).
 
     Example:
@@ -149,24 +150,30 @@ def initialize(
     """
     if backend is not None and backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl', 'gloo' or None (choose), got {backend!r}")
+    pg_timeout = _as_timedelta(timeout)
     launch = launch_environment()
     if dist.is_initialized():
         return _check_existing(launch, backend, device)
     if launch is None:
-        if backend is not None:
+        if backend is not None or device is not None:
+            asked = f"backend={backend!r}" if backend is not None else f"device={device!r}"
             raise ValueError(
-                f"initialize(backend={backend!r}) outside a launcher: RANK, WORLD_SIZE and "
+                f"initialize({asked}) outside a launcher: RANK, WORLD_SIZE and "
                 "LOCAL_RANK are not set, so this is a world of one process (which needs no "
-                "group); launch with torchrun, or call initialize() without a backend"
+                "group); launch with torchrun, or call initialize() without arguments"
             )
         return DistributedInfo(0, 1, 0, None, torch.device("cpu"))
     backend = backend or _choose_backend(launch)
+    if device is not None and backend != "nccl":
+        raise ValueError(f"device={device!r} is for NCCL (one GPU per process); with the "
+                         f"{backend!r} backend the process group runs on the CPU: drop "
+                         "device=, or pass backend='nccl'")
     cuda_device = _cuda_device(launch, device) if backend == "nccl" else None
     if cuda_device is not None:
         torch.cuda.set_device(cuda_device)
     dist.init_process_group(
         backend, init_method="env://", rank=launch.rank, world_size=launch.world_size,
-        timeout=_as_timedelta(timeout), device_id=cuda_device,
+        timeout=pg_timeout, device_id=cuda_device,
     )
     _OURS["group"] = dist.group.WORLD
     _register_atexit()
@@ -221,9 +228,10 @@ def _cuda_device(launch: LaunchEnv, device: torch.device | str | int | None) -> 
     if not torch.cuda.is_available():
         raise ValueError("backend 'nccl' needs CUDA, but torch.cuda.is_available() is False; "
                          "use backend='gloo' (or None to choose)")
-    chosen = torch.device("cuda", launch.local_rank) if device is None else torch.device(device)
-    if isinstance(device, int):
-        chosen = torch.device("cuda", device)
+    if device is None:
+        chosen = torch.device("cuda", launch.local_rank)
+    else:
+        chosen = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if chosen.type != "cuda":
         raise ValueError(f"device={device!r}: under NCCL each process needs a CUDA device")
     index = launch.local_rank if chosen.index is None else chosen.index

@@ -196,6 +196,8 @@ def test_plain_python_is_a_world_of_one(monkeypatch):
     sf.distributed.shutdown()  # nothing to undo
     with pytest.raises(ValueError, match="outside a launcher"):
         sf.distributed.initialize("gloo")
+    with pytest.raises(ValueError, match=re.escape("initialize(device='cuda:0') outside a")):
+        sf.distributed.initialize(device="cuda:0")
 
 
 BASE_ENV = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
@@ -307,3 +309,66 @@ def test_initialize_from_env_and_shutdown(worlds):
     assert mesh_size == 1
     assert "the environment says RANK=1, WORLD_SIZE=2 but the group has rank 0 of 1" in disagrees
     assert after is False
+
+
+# ---- the NCCL branch, with CUDA faked (no GPU here) -------------------------------------
+
+
+class _Joined(Exception):
+    """Raised by the fake init_process_group to stop initialize() once it has chosen."""
+
+
+def _fake_node(monkeypatch, gpus: int, env: dict[str, str]):
+    """Pretend this node has ``gpus`` GPUs; record set_device and init_process_group calls."""
+    calls = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.update(set_device=device))
+
+    def init_process_group(backend, **kwargs):
+        calls.update(backend=backend, **kwargs)
+        raise _Joined
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return calls
+
+
+def test_nccl_with_one_gpu_per_local_rank(monkeypatch):
+    calls = _fake_node(monkeypatch, gpus=2, env=BASE_ENV)
+    with pytest.raises(_Joined):
+        sf.distributed.initialize(timeout=30)
+    assert calls == dict(set_device=torch.device("cuda", 1), backend="nccl",
+                         init_method="env://", rank=1, world_size=2,
+                         timeout=timedelta(seconds=30), device_id=torch.device("cuda", 1))
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_gloo_without_a_gpu_per_local_rank(monkeypatch, gpus):
+    calls = _fake_node(monkeypatch, gpus=gpus, env=BASE_ENV)
+    with pytest.raises(_Joined):
+        sf.distributed.initialize()
+    assert calls["backend"] == "gloo" and calls["device_id"] is None
+    assert "set_device" not in calls
+
+
+def test_nccl_device_override_and_errors(monkeypatch):
+    calls = _fake_node(monkeypatch, gpus=2, env=BASE_ENV)
+    with pytest.raises(_Joined):
+        sf.distributed.initialize(device=0)
+    assert calls["set_device"] == calls["device_id"] == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=re.escape("LOCAL_RANK=1 needs cuda:3 but this node "
+                                                   "has 2 GPUs")):
+        sf.distributed.initialize("nccl", device="cuda:3")
+    with pytest.raises(ValueError, match="under NCCL each process needs a CUDA device"):
+        sf.distributed.initialize("nccl", device="cpu")
+    with pytest.raises(ValueError, match="device='cuda:0' is for NCCL"):
+        sf.distributed.initialize("gloo", device="cuda:0")
+    _fake_node(monkeypatch, gpus=0, env=BASE_ENV)
+    with pytest.raises(ValueError, match="backend 'nccl' needs CUDA"):
+        sf.distributed.initialize("nccl")
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        sf.distributed.initialize(timeout=0)
