@@ -30,7 +30,7 @@ gets its own tag, so several may be in flight between the same ranks.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,7 +46,7 @@ from shardfn.primitives.flat import (
 )
 
 if TYPE_CHECKING:
-    from shardfn.transforms._unit_plan import Unit
+    from shardfn.transforms._unit_plan import Flat, Unit
     from shardfn.transforms._units import Placement
 
 __all__ = ["TagCounter", "UnitGather", "UnitReduce", "no_functorch"]
@@ -168,35 +168,45 @@ class UnitGather:
 class UnitReduce:
     """The reduce-scatter of one unit's full gradients, in flight.
 
-    Takes ownership of ``grads``: each is cast to its reduce dtype (a no-op without
-    ``precision``) and read by the exchange; nothing is packed.
+    Takes ownership of ``grads``: each is divided by its flat's ``pre`` factor (FSDP2's
+    pre-division, so that a low-precision sum does not overflow where the mean fits),
+    cast to its reduce dtype (a no-op without ``precision``) and read by the exchange;
+    nothing is packed.
 
     Args:
         unit: the unit.
-        grads: ``name -> full gradient`` of the unit's trainable sharded leaves (popped).
+        grads: ``name -> full gradient`` of the leaves of ``flats`` (popped).
         ax: the sharding axis.
         tag: the message tag.
+        flats: the flats to reduce (default ``unit.scatter``: every trainable sharded leaf).
+        pre: per flat, the divisor applied before the sum (default 1 each).
 
     Example:
         >>> chunks = UnitReduce(unit, grads, ax, tag).wait()  # one flat shard per dtype
     """
 
-    def __init__(self, unit: Unit, grads: dict[str, torch.Tensor], ax: Axis, tag: int):
+    def __init__(self, unit: Unit, grads: dict[str, torch.Tensor], ax: Axis, tag: int,
+                 flats: tuple[Flat, ...] | None = None, pre: Sequence[float] | None = None):
         self.ax, self.unit = ax, unit
+        self.flats = unit.scatter if flats is None else flats
         self.leaves: list[torch.Tensor] = []
         self.outs: list[torch.Tensor] = []  # this rank's piece of each leaf, in its chunk
         self.chunks: list[torch.Tensor] = []
         n = ax.size
         segments: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
         with no_functorch():
-            for flat in unit.scatter:
+            for k, flat in enumerate(self.flats):
                 grad0 = grads[flat.names[0]]
+                divisor = 1.0 if pre is None else pre[k]
                 chunk = torch.empty(flat.chunk, dtype=flat.dtype, device=grad0.device)
                 self.chunks.append(chunk)
                 for name, shape, local, offset in zip(flat.names, flat.shapes,
                                                       flat.local_shapes, flat.offsets,
                                                       strict=True):
-                    grad = grads.pop(name).detach().to(flat.dtype).reshape(-1)
+                    grad = grads.pop(name).detach()
+                    if divisor != 1.0:  # before the cast: a float32 value may not fit fp16
+                        grad = grad / divisor
+                    grad = grad.to(flat.dtype).reshape(-1)
                     leaf, numel, total = len(self.leaves), math.prod(local), math.prod(shape)
                     self.leaves.append(grad)
                     for j in range(n):
@@ -209,8 +219,8 @@ class UnitReduce:
                             chunk[offset + max(hi - lo, 0):offset + numel].zero_()  # padding
             self.plan = _plan(n, segments)
             self.exchange: Exchange | None = None
-            if n > 1:
-                for flat in unit.scatter:
+            if n > 1 and self.flats:  # nothing to reduce (frozen, or no gradient wanted)
+                for flat in self.flats:
                     stats.record(ax.key, "psum_scatter",
                                  flat.chunk * flat.dtype.itemsize * (n - 1))
                 self.exchange = start_reduce_scatter(self.plan, self.leaves, ax, tag=tag,
@@ -219,7 +229,7 @@ class UnitReduce:
                                                      background=_on_cpu(self.leaves))
 
     def wait(self) -> list[torch.Tensor]:
-        """This rank's summed shard of every flat (``unit.scatter``), zero-padded."""
+        """This rank's summed shard of every flat (``flats``), zero-padded."""
         with no_functorch():
             if self.exchange is not None:
                 finish_reduce_scatter(self.plan, self.leaves, self.exchange, self.ax, self.outs,

@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import difflib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -108,6 +108,19 @@ class Flat:
     dtype: torch.dtype  # what the collective moves (param_dtype / reduce_dtype)
     master: torch.dtype  # the leaves' own dtype
 
+    def subset(self, keep: Collection[str]) -> Flat | None:
+        """The flat of only the leaves in ``keep`` (None if none; ``self`` if all)."""
+        picked = [i for i, name in enumerate(self.names) if name in keep]
+        if len(picked) == len(self.names):
+            return self
+        if not picked:
+            return None
+        local = tuple(self.local_shapes[i] for i in picked)
+        sizes = [math.prod(s) for s in local]
+        offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
+        return Flat(tuple(self.names[i] for i in picked), tuple(self.shapes[i] for i in picked),
+                    local, offsets, sum(sizes), self.dtype, self.master)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Unit:
@@ -124,10 +137,23 @@ class Unit:
     owned_grads: tuple[str, ...]  # trainable owned: the gradients its reduction returns
     gather: tuple[Flat, ...]  # all sharded leaves
     scatter: tuple[Flat, ...]  # trainable sharded leaves
+    buffers: tuple[str, ...] = ()  # the buffers its module registers (updated in place)
+    _subsets: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def label(self) -> str:
         return repr(self.path) if self.path else "<root>"
+
+    def scatter_for(self, wanted: frozenset[str] | None) -> tuple[Flat, ...]:
+        """``scatter`` restricted to the leaves in ``wanted`` (None: all), cached."""
+        if wanted is None:
+            return self.scatter
+        flats = self._subsets.get(wanted)
+        if flats is None:
+            flats = tuple(f for f in (flat.subset(wanted) for flat in self.scatter)
+                          if f is not None)
+            self._subsets[wanted] = flats
+        return flats
 
 
 class UnitCall(nn.Module):
@@ -153,7 +179,14 @@ class UnitCall(nn.Module):
 
 
 def build_units(model: FunctionalModel, paths: tuple[str, ...], n: int, token: object,
-                 place: Placement) -> tuple[tuple[Unit, ...], Unit]:
+                 place: Placement, dtypes: Mapping[str, torch.dtype] | None = None,
+                 ) -> tuple[tuple[Unit, ...], Unit]:
+    """The units at ``paths`` and the root unit.
+
+    ``dtypes`` (leaf name -> dtype, default the module's) are the leaves' master dtypes:
+    the dtypes of the shards ``apply`` is given, from which the gather and reduce dtypes
+    follow (through ``place``).
+    """
     skeleton = copy.deepcopy(model.module)  # meta: free; the wrapping must not touch `model`
     inner = [skeleton.get_submodule(p) for p in paths]
     used: dict[int, dict[str, str]] = {}  # unit index -> leaf name -> its name in the module
@@ -169,7 +202,8 @@ def build_units(model: FunctionalModel, paths: tuple[str, ...], n: int, token: o
         for name in leaves:
             users.setdefault(name, set()).add(index)
     params, shapes = set(model.param_names), model.param_shapes()
-    trainable = set(model.trainable_names)
+    masters = {x: (dtypes[x] if dtypes is not None else shapes[x].dtype) for x in model.names}
+    trainable, buffer_names = set(model.trainable_names), set(model.buffer_names)
     owner = {name: (min(who) if len(who) == 1 else -1) for name, who in users.items()
              if name in params}
 
@@ -181,13 +215,14 @@ def build_units(model: FunctionalModel, paths: tuple[str, ...], n: int, token: o
                          and index != -1)
         grad_inputs = tuple(x for x in sharded + replicated + external if x in trainable)
         dims = {x: tuple(shapes[x].shape) for x in sharded}
-        gather = {x: (place.compute_dtype(shapes[x].dtype), shapes[x].dtype) for x in sharded}
-        scatter = {x: (place.comm_reduce_dtype(shapes[x].dtype), shapes[x].dtype)
+        gather = {x: (place.compute_dtype(masters[x]), masters[x]) for x in sharded}
+        scatter = {x: (place.comm_reduce_dtype(masters[x]), masters[x])
                    for x in sharded}
         owned_grads = tuple(x for x in grad_inputs if x not in external)
+        buffers = tuple(x for x in model.names if x in used[index] and x in buffer_names)
         return Unit(index, path, module, tuple(used[index].items()), sharded, replicated,
                      external, grad_inputs, owned_grads, _flats(sharded, dims, gather, n),
-                     _flats([x for x in sharded if x in trainable], dims, scatter, n))
+                     _flats([x for x in sharded if x in trainable], dims, scatter, n), buffers)
 
     units = tuple(plan(i, p, m) for i, (p, m) in enumerate(zip(paths, inner, strict=True)))
     return units, plan(-1, "", skeleton)

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from shardfn import pytree
-from shardfn.primitives import _comm, stats
+from shardfn.primitives import _comm, autocast_state, stats
 from shardfn.primitives.flat import all_reduce_async
+from shardfn.primitives.reduce_scaling import divide_factors
 from shardfn.transforms._unit_exchange import TagCounter, UnitGather, UnitReduce, no_functorch
 from shardfn.transforms._unit_plan import ACTIVE, Unit
 from shardfn.transforms._units import Accumulator, NoReduce, UnitRecorder, UnitReplayer
@@ -39,38 +40,62 @@ class Reduce:
     """The reduction of one unit's gradients: reduce-scatters issued now, finished by wait().
 
     Takes ownership of ``grads`` (full gradients of the unit's owned trainable leaves).
-    They are reduced in the reduce dtype; the shard gradients come back in the master
-    dtype, on the storage device. With HSDP the shards are then summed over the
-    replica axis.
+    Only the leaves in ``wanted`` (None: all) are reduced: a leaf left out of the
+    differentiation costs no communication. They are reduced in the reduce dtype; the
+    shard gradients come back in the master dtype, on the storage device. With HSDP the
+    shards are then summed over the replica axis.
+
+    In fp16/bf16 the gradients are divided by ``pre`` before the sum and by ``post``
+    after it (``divide_factors`` over every data-parallel rank, as FSDP2 does), so a
+    mean that fits the dtype does not overflow on the way; ``grad_reduce="sum"``
+    multiplies ``pre`` back instead (in the master dtype).
     """
 
     def __init__(self, model: ShardedModel, unit: Unit, grads: dict[str, torch.Tensor],
-                 tag: int):
+                 tag: int, wanted: frozenset[str] | None = None):
         self.model, self.unit = model, unit
+        if wanted is not None:
+            grads = {n: g for n, g in grads.items() if n in wanted}
+        self.flats = unit.scatter_for(wanted)
+        count = model._all_ax.size
+        self.factors = [divide_factors(count, flat.dtype) for flat in self.flats]
         self.replicated = {n: grads.pop(n).detach() for n in unit.replicated if n in grads}
-        self.exchange = UnitReduce(unit, grads, model._ax, tag)
+        self.exchange = UnitReduce(unit, grads, model._ax, tag, self.flats,
+                                   [pre for pre, _ in self.factors])
+
+    def _finish(self, chunk: torch.Tensor, pre: float, post: float) -> None:
+        """Scale a reduced chunk (a fresh tensor of ours, in the master dtype) in place."""
+        with no_functorch():
+            if self.model.grad_reduce == "mean":
+                if post != 1.0:
+                    chunk.div_(post)
+            elif pre != 1.0:
+                chunk.mul_(pre)
 
     def wait(self) -> Params:
         """This rank's shard gradients (``name -> tensor`` of the local shard shape)."""
         model, unit = self.model, self.unit
         chunks = self.exchange.wait()
         rep = model._replicate_ax
-        if rep is not None and rep.size > 1:
+        if rep is not None and rep.size > 1 and chunks:
             with stats.collective_scope(rep.describe(f"psum of unit {unit.label}")):
                 chunks = [_ops.wait_tensor(h) for h in [all_reduce_async(c, rep) for c in chunks]]
         place, out = model._place, {}
-        for flat, chunk in zip(unit.scatter, chunks, strict=True):
+        for flat, chunk, (pre, post) in zip(self.flats, chunks, self.factors, strict=True):
             chunk = chunk.to(flat.master)  # a fresh tensor of ours: scaled in place
-            if model._scale != 1.0:
-                with no_functorch():
-                    chunk.mul_(model._scale)
+            self._finish(chunk, pre, post)
             for name, local, offset in zip(flat.names, flat.local_shapes, flat.offsets,
                                            strict=True):
                 out[name] = place.to_storage(chunk[offset:offset + math.prod(local)].view(local))
         for name, grad in self.replicated.items():
             master = model._masters[name]
-            reduced = _comm.psum(grad.to(place.comm_reduce_dtype(master)), model._all_ax)
-            out[name] = place.to_storage(reduced.to(master) * model._scale)
+            dtype = place.comm_reduce_dtype(master)
+            pre, post = divide_factors(model._all_ax.size, dtype)
+            reduced = _comm.psum((grad / pre if pre != 1.0 else grad).to(dtype), model._all_ax)
+            reduced = reduced.to(master)
+            scaled = (reduced / post if post != 1.0 else reduced) if model.grad_reduce == "mean" \
+                else (reduced * pre if pre != 1.0 else reduced)
+            out[name] = place.to_storage(scaled)
         return out
 
 
@@ -110,13 +135,15 @@ class _Saved:
     replay: dict | None = None  # the remat policy's saved op outputs inside the unit
     vjp_fn: Callable | None = None  # activations kept (remat=None): the unit's vjp
     gather: UnitGather | None = None  # its full parameters (storage released until backward)
+    buffers: Params | None = None  # its buffers as the call found them (for a recompute)
 
 
 class Step:
     """The state of one ``apply`` call, shared by its forward and its backward."""
 
     def __init__(self, model: ShardedModel, arg_spec: TreeSpec,
-                 arg_tensors: Sequence[torch.Tensor], keep: bool, record: bool):
+                 arg_tensors: Sequence[torch.Tensor], keep: bool, record: bool,
+                 mutable: bool = False):
         self.model = model
         self.arg_spec = arg_spec
         # per tensor argument: may a gradient be asked for it (the root's graph is
@@ -149,16 +176,32 @@ class Step:
         self.root_gather: UnitGather | None = None  # its parameters, released until backward
         self.done = False  # backward ran
         self.later_at: dict[int, tuple[str, ...]] = {}  # position -> the later_names it took
+        # buffers as the forward updates them (name -> private copy, made on first use), and
+        # whether apply returns them (mutable=True: extra outputs of RootFn after the model's)
+        self.buffers: Params = {}
+        self.mutable = mutable
+        self.n_outputs = 0  # the model's own output tensors (before the buffers)
+        # leaves whose gradient the backward reduces (None: every trainable one)
+        self.wanted: frozenset[str] | None = None
+        # a recompute in backward runs under the forward's autocast state
+        self.autocast = autocast_state.capture() if record and not model._save else None
 
     def gather(self, unit: Unit) -> UnitGather:
         return UnitGather(unit, self.shards, self.model._ax, self.model._place, self.tags())
 
     def reduce(self, unit: Unit, grads: dict[str, torch.Tensor]) -> Reduce | NoReduce:
-        """Start reducing ``unit``'s full gradients (or add them to the accumulator)."""
+        """Start reducing ``unit``'s full gradients (or add them to the accumulator); only
+        those of the leaves a gradient is wanted for."""
         if self.accumulator is not None:
+            if self.wanted is not None:
+                grads = {n: g for n, g in grads.items() if n in self.wanted}
             self.accumulator.add(unit.index, grads, self.model._masters)
             return NoReduce()
-        return Reduce(self.model, unit, grads, self.tags())
+        return Reduce(self.model, unit, grads, self.tags(), self.wanted)
+
+    def replay_autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's autocast state, for a recompute (as ``torch.utils.checkpoint``)."""
+        return self.autocast.replay() if self.autocast is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def unit_scope(self) -> Iterator[None]:
@@ -211,16 +254,24 @@ class Step:
             pending.wait()
         self.prefetched.clear()
 
-    def params_for(self, unit: Unit, full: Params, override: Mapping = ()) -> Params:
-        """What ``functional_call`` on the unit's module gets, by the module's own names."""
+    def params_for(self, unit: Unit, full: Params, override: Mapping = (),
+                   buffers: Params | None = None) -> Params:
+        """What ``functional_call`` on the unit's module gets, by the module's own names.
+
+        Buffers come from ``buffers`` (default: the step's, as the forward has updated
+        them so far), private copies the forward may update in place.
+        """
         params = {}
+        buffers = self.buffers if buffers is None else buffers
         for name, rel in unit.rel:
             if name in override:
                 params[rel] = override[name]
             elif name in full:
                 params[rel] = full[name]
             elif name in self.model._buffer_set:
-                params[rel] = self.local[name].clone()  # private: forward may update it
+                if name not in buffers:  # first use: a private copy
+                    buffers[name] = self.local[name].clone()
+                params[rel] = buffers[name]
             elif name in unit.external:
                 params[rel] = self.root_plain[name]
             else:  # a replicated (0-dim) parameter
@@ -265,8 +316,27 @@ class Step:
         self.model._order_hint[:] = self.order
         self.root_plain = {}
         self.out_spec, outputs = TreeSpec.of(out)
+        self.n_outputs = len(outputs)
         inputs = {id(t) for t in tensors}
-        return tuple(x.clone() if id(x) in inputs else x for x in outputs)
+        outputs = [x.clone() if id(x) in inputs else x for x in outputs]
+        if self.mutable:
+            outputs += self.new_buffers()
+        self.buffers = {}
+        return tuple(outputs)
+
+    def new_buffers(self) -> list[torch.Tensor]:
+        """Every buffer (in the model's order) as the forward left it, in the form the
+        caller gave it (its dtype and device): private tensors."""
+        model, out = self.model, []
+        for name in model.functional.buffer_names:
+            given = self.shards[name]
+            value = self.buffers.get(name)
+            if value is None:  # no unit used it: unchanged
+                value = given.detach().clone()
+            else:
+                value = model._place.to_storage(value).to(given.dtype)
+            out.append(value)
+        return out
 
     def forward_root_saving(self, args: tuple, kwargs: dict) -> Any:
         """Run the root recording its autograd graph (kept for backward: no recompute).
@@ -311,6 +381,11 @@ class Step:
         position = len(self.order)
         self.order.append(unit.index)
         rng_before = _rng_state()
+        # a recompute in backward starts from the buffers this call found (its own updates
+        # to them are thrown away: the forward's count once)
+        buffers_before = ({n: self.buffers[n].clone() if n in self.buffers else self.local[n]
+                           for n in unit.buffers} if self.record and not self.model._save
+                          else None)
         full, gather = self.gathered(unit, "forward", position)
         vjp_fn, recorder = None, None
         if self.record and self.model._save:
@@ -334,7 +409,7 @@ class Step:
             spec, tensors = TreeSpec.of(out)
             self.saved.append(_Saved(tensors, [t._version for t in tensors], spec, rng_before,
                                      _rng_state(), recorder.finish() if recorder else None,
-                                     vjp_fn, gather))
+                                     vjp_fn, gather, buffers_before))
         return out
 
     def forward_saving(self, unit: Unit, full: Params, args: tuple,
@@ -404,6 +479,10 @@ class Step:
             raise RuntimeError("shard_params: backward through one apply() call can run only "
                                "once (it frees what it saved); call model.apply again")
         self.done = True
+        trainable = [n for n, need in zip(model.names, needs_grad, strict=False)
+                     if need and n in model._trainable_set]
+        if len(trainable) < len(model._trainable_set):  # some leaves want no gradient
+            self.wanted = frozenset(trainable)
         if self.root_vjp is not None:
             return self.backward_root_saved(arg_tensors, grads, outputs_float, needs_grad)
         full = self.kept.pop(-1, None)
@@ -426,10 +505,11 @@ class Step:
             self.root_values = {**self.root_plain, **root_train}
             if self.root_replay is not None:
                 self.root_mode = UnitReplayer(self.root_replay)
-            try:
-                with (_active(self), _forked_rng(self.rng_root),
+            try:  # from the buffers as the forward found them (its updates count once)
+                with (_active(self), _forked_rng(self.rng_root), self.replay_autocast(),
                       self.root_mode or contextlib.nullcontext()):
-                    out = _call(root, self.params_for(root, self.root_values), args, kwargs)
+                    out = _call(root, self.params_for(root, self.root_values, buffers={}),
+                                args, kwargs)
             finally:
                 self.root_mode = None
             return _float_outputs(out, outputs_float)
@@ -469,7 +549,7 @@ class Step:
                 g_units[name] = g_units[name] + grad
         self.reducing.clear()
         reduced = root_reduce.wait()
-        trainable = model._trainable_set
+        trainable = model._trainable_set if self.wanted is None else self.wanted
         leaf_grads = [(reduced[n] if n in reduced else g_units.get(n)) if n in trainable else None
                       for n in model.names]
         return (*leaf_grads, *[g_args.get(i) for i in range(n_args)])
@@ -532,12 +612,14 @@ class Step:
         def recompute(train, float_args):
             args, kwargs = arg_spec.build([float_args.get(i, t) for i, t in enumerate(arg_tensors)])
             replayer = UnitReplayer(saved.replay) if saved.replay is not None else None
-            with _forked_rng(saved.rng_before), replayer or contextlib.nullcontext():
-                out = _call(unit, self.params_for(unit, full, train), args, kwargs)
+            buffers = {n: t.clone() for n, t in (saved.buffers or {}).items()}
+            with (_forked_rng(saved.rng_before), self.replay_autocast(),
+                  replayer or contextlib.nullcontext()):
+                out = _call(unit, self.params_for(unit, full, train, buffers), args, kwargs)
             return _float_outputs(out, outputs_float)
 
         _, vjp_fn = torch.func.vjp(recompute, train, float_args)
-        saved.replay = None  # the recompute has what it needs
+        saved.replay = saved.buffers = None  # the recompute has what it needs
         g_train, g_args = vjp_fn(cotangents)
         return dict(g_train), g_args
 
@@ -553,12 +635,13 @@ class RootFn(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         step = ctx.step = inputs[0]
         ctx.save_for_backward(*inputs[1 + len(step.model.names):])
-        ctx.outputs_float = [is_float(o) for o in output]
-        ctx.mark_non_differentiable(*[o for o in output if not is_float(o)])
+        n = ctx.n_outputs = step.n_outputs  # then the new buffers (mutable=True)
+        ctx.outputs_float = [is_float(o) for o in output[:n]]
+        ctx.mark_non_differentiable(*[o for o in output[:n] if not is_float(o)], *output[n:])
 
     @staticmethod
     def backward(ctx, *grads):
-        saved, grads = _plain(ctx.saved_tensors), _plain(grads)
+        saved, grads = _plain(ctx.saved_tensors), _plain(grads[:ctx.n_outputs])
         return None, *ctx.step.backward_root(saved, grads, ctx.outputs_float,
                                               ctx.needs_input_grad[1:])
 

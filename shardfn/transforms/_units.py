@@ -234,10 +234,12 @@ class Accumulator:
     def __init__(self, token: object):
         self.token = token
         self.grads: dict[int, dict[str, torch.Tensor]] = {}  # unit index (-1 root) -> full
+        self.masters: Mapping[str, torch.dtype] | None = None  # the leaves' dtypes, as run
 
     def add(self, index: int, grads: Mapping[str, torch.Tensor],
             masters: Mapping[str, torch.dtype]) -> None:
         """Add one backward's full gradients of unit ``index`` (``name -> tensor``)."""
+        self.masters = masters
         sums = self.grads.setdefault(index, {})
         for name, grad in grads.items():
             grad = grad.detach()

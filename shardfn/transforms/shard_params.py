@@ -94,7 +94,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -103,7 +103,7 @@ from torch import nn
 from shardfn import pytree
 from shardfn.functional import FunctionalModel
 from shardfn.mesh import AxisName, Mesh
-from shardfn.primitives import _comm
+from shardfn.primitives import _comm, consistency
 from shardfn.spec import Layout, P, local_shape, shard
 from shardfn.transforms._unit_exchange import TagCounter
 from shardfn.transforms._unit_plan import (
@@ -167,7 +167,6 @@ class ShardedModel:
     _ax: _comm.Axis
     _replicate_ax: _comm.Axis | None
     _all_ax: _comm.Axis
-    _scale: float
     _local_shapes: dict[str, tuple[int, ...]]
     _buffer_set: frozenset[str]
     _trainable_set: frozenset[str]
@@ -177,6 +176,9 @@ class ShardedModel:
     _token: object
     _place: Placement  # dtypes and devices (precision, offload)
     _masters: dict[str, torch.dtype]  # each leaf's own (master) dtype
+    # the same model planned for shards of other dtypes (float64 shards of a float32
+    # module): leaf dtypes -> ShardedModel, shared by all of them
+    _variants: dict[tuple[torch.dtype, ...], ShardedModel]
 
     def init(self, seed: int, device: torch.device | str | None = None) -> Params:
         """This rank's shards of ``functional.init(seed)``, built one unit at a time.
@@ -200,7 +202,9 @@ class ShardedModel:
             device = self._place.storage if self._place.offload else self.mesh.device
         out: Params = {}
         for paths in self._init_groups:
-            out.update(self._shard_leaves(self.functional.init_subset(seed, paths, device=device)))
+            full = self.functional.init_subset(seed, paths, device=device)
+            consistency.check_replicated("shard_params.init", self._all_ax, full)
+            out.update(self._shard_leaves(full))
         return {name: out[name] for name in self.names}
 
     def shard(self, full_params: Mapping[str, torch.Tensor]) -> Params:
@@ -216,22 +220,36 @@ class ShardedModel:
             >>> shards = model.shard(fmodel.init(0))
         """
         self.functional.check(full_params)
+        consistency.check_replicated("shard_params.shard", self._all_ax, full_params)
         return self._shard_leaves(full_params)
 
-    def apply(self, shards: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+    def apply(self, shards: Mapping[str, torch.Tensor], *args: Any, mutable: bool = False,
+              **kwargs: Any) -> Any:
         """Run the model's forward on this rank's shards, gathering units just in time.
 
         Differentiable w.r.t. the shards (and tensor inputs) under ``torch.func``
         transforms and plain autograd; the shard gradients are already reduced
-        over the data-parallel axes (see ``grad_reduce``).
+        over the data-parallel axes (see ``grad_reduce``), and only those of the
+        leaves a gradient is asked for are. It computes in the dtypes of the shards
+        given (float64 shards compute in float64), unless ``precision`` says otherwise.
+
+        Buffers are per rank: each rank's forward sees its own batch (BatchNorm
+        statistics of the local batch, like DDP without SyncBatchNorm; see
+        ``sf.sync_batch_norm`` for statistics over the axis).
 
         Args:
             shards: ``name -> local shard`` as :meth:`init` / :meth:`shard` return.
             *args, **kwargs: passed to the module's forward.
+            mutable: also return the buffers as the forward left them.
 
         Returns:
             Whatever the module's forward returns (floating outputs in
-            ``precision.output_dtype`` if set).
+            ``precision.output_dtype`` if set); with ``mutable=True``,
+            ``(output, new_buffers)``: ``new_buffers`` maps every buffer name (in
+            ``functional.buffer_names`` order, integer ones included) to its value after
+            the forward, whole (spec ``P()``), in the dtype and device it was given, so
+            ``{**shards, **new_buffers}`` is the next step's tree. A recompute
+            (``remat``) does not update them again.
 
         Raises:
             ValueError / TypeError: a missing or unexpected leaf, or one whose shape is
@@ -239,8 +257,12 @@ class ShardedModel:
 
         Example:
             >>> logits = model.apply(shards, tokens)
+            >>> logits, buffers = model.apply(shards, tokens, mutable=True)
+            >>> shards = {**shards, **buffers}
         """
         self.check(shards)
+        consistency.check_call("shard_params.apply", self._all_ax, (args, kwargs))
+        model = self._for_dtypes(shards)
         place, precision = self._place, self.precision
         if place.offload:  # inputs go where the units compute (differentiably)
             args, kwargs = pytree.tree_map(
@@ -250,11 +272,83 @@ class ShardedModel:
             args, kwargs = cast_floating((args, kwargs), precision.param_dtype)
         arg_spec, arg_tensors = TreeSpec.of((args, kwargs))
         grad = torch.is_grad_enabled()
-        step = Step(self, arg_spec, arg_tensors, keep=grad and not self.reshard_after_forward,
-                    record=grad)
+        step = Step(model, arg_spec, arg_tensors, keep=grad and not self.reshard_after_forward,
+                    record=grad, mutable=bool(mutable))
         outputs = RootFn.apply(step, *[shards[name] for name in self.names], *arg_tensors)
-        out = step.out_spec.build(outputs)
-        return cast_floating(out, precision.output_dtype) if precision is not None else out
+        out = step.out_spec.build(outputs[:step.n_outputs])
+        if precision is not None:
+            out = cast_floating(out, precision.output_dtype)
+        if not mutable:
+            return out
+        return out, dict(zip(self.functional.buffer_names, outputs[step.n_outputs:],
+                             strict=True))
+
+    def apply_with_buffers(self, shards: Mapping[str, torch.Tensor], *args: Any,
+                           **kwargs: Any) -> tuple[Any, Params]:
+        """``apply(shards, *args, mutable=True, **kwargs)``: ``(output, new_buffers)``."""
+        return self.apply(shards, *args, mutable=True, **kwargs)
+
+    def split_trainable(self, shards: Mapping[str, torch.Tensor]) -> tuple[Params, Params]:
+        """Split a shard tree into ``(trainable, rest)`` (rest: buffers and frozen parameters).
+
+        Args:
+            shards: ``name -> local shard`` (checked against the local shapes).
+
+        Returns:
+            ``(trainable, rest)`` in ``names`` order; differentiate only ``trainable``.
+
+        Example:
+            >>> train, rest = model.split_trainable(model.init(0))
+            >>> grads = torch.func.grad(lambda t: loss(model.merge(t, rest)))(train)
+        """
+        self.check(shards)
+        trainable = {n: shards[n] for n in self.names if n in self._trainable_set}
+        rest = {n: shards[n] for n in self.names if n not in self._trainable_set}
+        return trainable, rest
+
+    def merge(self, trainable: Mapping[str, torch.Tensor],
+              rest: Mapping[str, torch.Tensor]) -> Params:
+        """Inverse of :meth:`split_trainable`: one shard tree in ``names`` order, checked.
+
+        Args:
+            trainable, rest: disjoint ``name -> local shard`` mappings covering every leaf.
+
+        Returns:
+            The merged tree.
+
+        Raises:
+            ValueError: a name in both, a missing or unexpected name, or a leaf whose
+                shape is not its local shard shape.
+
+        Example:
+            >>> shards = model.merge(*model.split_trainable(shards))
+        """
+        overlap = sorted(set(trainable) & set(rest))
+        if overlap:
+            raise ValueError(f"merge: names present in both trainable and rest: {overlap}")
+        both = {**rest, **trainable}
+        self.check(both)
+        return {name: both[name] for name in self.names}
+
+    def _for_dtypes(self, shards: Mapping[str, torch.Tensor]) -> ShardedModel:
+        """This model planned for the dtypes of ``shards`` (``self`` for the module's own)."""
+        masters = self._masters
+        if all(shards[name].dtype == masters[name] for name in self.names):
+            return self
+        return self._variant(tuple(shards[name].dtype for name in self.names))
+
+    def _variant(self, key: tuple[torch.dtype, ...]) -> ShardedModel:
+        """This model planned for leaves of the dtypes ``key`` (in ``names`` order)."""
+        if key == tuple(self._masters[name] for name in self.names):
+            return self
+        variant = self._variants.get(key)
+        if variant is None:
+            dtypes = dict(zip(self.names, key, strict=True))
+            units, root = build_units(self.functional, self.units, self._ax.size, self._token,
+                                      self._place, dtypes)
+            variant = dataclasses.replace(self, _units=units, _root=root, _masters=dtypes)
+            self._variants[key] = variant
+        return variant
 
     def accumulate_grads(self, loss_fn: Callable, num_micro_batches: int,
                          mode: str = "reduce_once") -> Callable:
@@ -314,26 +408,32 @@ class ShardedModel:
             grads, loss = total
             if accumulator is not None:
                 grads = dict(grads)
-                for name, grad in self._reduce_accumulated(accumulator).items():
+                for name, grad in self._reduce_accumulated(accumulator, grads).items():
                     if name in grads:
                         grads[name] = grads[name] + grad
             return pytree.tree_map(lambda t: t / k, (grads, loss))
 
         return fn
 
-    def _reduce_accumulated(self, accumulator: Accumulator) -> Params:
-        """Reduce every unit's summed full gradients once: ``name -> shard gradient``."""
+    def _reduce_accumulated(self, accumulator: Accumulator,
+                            names: Collection[str]) -> Params:
+        """Reduce every unit's summed full gradients of ``names`` once: ``name -> shard
+        gradient`` (planned for the dtypes the micro-batches ran in)."""
+        model = self if accumulator.masters is None else self._variant(
+            tuple(accumulator.masters[name] for name in self.names))
         some = [g for grads in accumulator.grads.values() for g in grads.values()]
         tags = TagCounter()
         device = some[0].device if some else (self._place.compute or self.mesh.device)
+        wanted = frozenset(n for n in self._trainable_set if n in names)
+        wanted = None if len(wanted) == len(self._trainable_set) else wanted
         out: Params = {}
-        for unit in (*self._units, self._root):  # every rank reduces every unit, in order
+        for unit in (*model._units, model._root):  # every rank reduces every unit, in order
             grads = accumulator.grads.pop(unit.index, {})
             for name in unit.owned_grads:  # a unit no micro-batch called: zeros
-                if name not in grads:
-                    grads[name] = torch.zeros(self.specs[name].shape, dtype=self._masters[name],
-                                              device=device)
-            out.update(Reduce(self, unit, grads, tags()).wait())
+                if name not in grads and (wanted is None or name in wanted):
+                    grads[name] = torch.zeros(self.specs[name].shape,
+                                              dtype=model._masters[name], device=device)
+            out.update(Reduce(model, unit, grads, tags(), wanted).wait())
         return out
 
     def check(self, shards: Mapping[str, torch.Tensor]) -> None:
@@ -503,11 +603,11 @@ def shard_params(
         offload=OffloadPolicy(place.storage, place.compute, place.pin) if place.offload else None,
         remat=remat, _policy=policy, _save=remat is None, _units=unit_plans, _root=root, _ax=ax,
         _replicate_ax=replicate_ax, _all_ax=all_ax,
-        _scale=1.0 / all_ax.size if grad_reduce == "mean" else 1.0,
         _local_shapes=local_shapes, _buffer_set=frozenset(model.buffer_names),
         _trainable_set=trainable, _unit_trainable=in_units,
         _init_groups=init_groups(model, paths), _order_hint=[], _token=token,
         _place=place, _masters={name: shapes[name].dtype for name in model.names},
+        _variants={},
     )
 
 
