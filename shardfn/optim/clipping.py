@@ -35,7 +35,7 @@ from shardfn.optim._tree import (
 from shardfn.optim.base import EmptyState, GradientTransformation, check_scalar
 from shardfn.optim.donation import current_donation, writable_in_place
 
-__all__ = ["clip_by_global_norm", "global_norm", "sharded_over"]
+__all__ = ["clip_by_global_norm", "current_sharded_over", "global_norm", "sharded_over"]
 
 PyTree = Any
 
@@ -73,6 +73,15 @@ def sharded_over(axis: str | tuple[str, ...], mesh: Any = None) -> Iterator[None
         yield
     finally:
         _SHARDED_OVER.reset(token)
+
+
+def current_sharded_over() -> tuple[tuple[str, ...], Any]:
+    """``(axes, mesh)`` of the enclosing :func:`sharded_over` contexts (``((), None)`` if none).
+
+    Transforms whose answer must hold for the whole tree, not this rank's part of it
+    (``skip_nonfinite``'s finite check), reduce over these axes.
+    """
+    return _SHARDED_OVER.get()
 
 
 def global_norm(updates: PyTree, specs: PyTree = None, mesh: Any = None) -> torch.Tensor:

@@ -49,18 +49,22 @@ import torch
 import torch.distributed as dist
 
 from shardfn import pytree
-from shardfn.primitives import stats
+from shardfn.primitives import _comm, stats
 from shardfn.primitives._comm import Axis
 from shardfn.primitives._poster import Posting, submit
+from shardfn.primitives.reduce_scaling import divide_factors
 
 __all__ = [
     "BucketPlan",
     "Exchange",
     "FlatPartition",
     "all_reduce_async",
+    "leaf_divide_factors",
+    "piece_divisors",
     "finish_reduce_scatter",
     "start_all_gather",
     "start_reduce_scatter",
+    "weight_share",
 ]
 
 Piece = tuple[int, int, int]
@@ -385,6 +389,80 @@ def all_reduce_async(block: torch.Tensor, ax: Axis) -> torch.Tensor:
     return _ops.all_reduce(block.contiguous(), "sum", ax.group_name)
 
 
+def leaf_divide_factors(dtypes: Sequence[torch.dtype], count: int
+                        ) -> tuple[list[float], list[float]] | None:
+    """Per leaf, FSDP2's ``(pre, post)`` divisors for a mean over ``count`` ranks.
+
+    A low-precision (fp16/bf16) leaf is divided by ``pre`` before its sum-reduction and
+    by ``post`` after it, so that a mean that fits in the dtype does not overflow on the
+    way (see :mod:`shardfn.primitives.reduce_scaling`).
+
+    Args:
+        dtypes: the dtype each leaf is reduced in.
+        count: ranks whose values are summed.
+
+    Returns:
+        ``(pres, posts)``, one entry per leaf, or None when no leaf needs a ``pre``
+        division (float32/float64 only): then one division by ``count`` after the sum
+        is what to do, as before.
+
+    Example:
+        >>> leaf_divide_factors([torch.float32, torch.float16], 2)
+        ([1.0, 2.0], [2.0, 1.0])
+    """
+    factors = [divide_factors(count, dtype) for dtype in dtypes]
+    if all(pre == 1 for pre, _ in factors):
+        return None
+    return [pre for pre, _ in factors], [post for _, post in factors]
+
+
+def piece_divisors(plan: BucketPlan, index: int, posts: Sequence[float]) -> list[float]:
+    """The ``post`` divisor of every piece of block ``index`` (for ``finish_reduce_scatter``)."""
+    return [posts[leaf] for leaf, _, _ in plan.blocks[index]]
+
+
+def weight_share(weight: float | torch.Tensor, ax, device: torch.device) -> float:
+    """This rank's ``weight / sum of every rank's weight`` over ``ax`` (one scalar psum).
+
+    Args:
+        weight: this rank's number of examples: a finite number >= 0, or a 0-dim tensor.
+        ax: the resolved axis.
+        device: where the psum runs (the gradients' device).
+
+    Returns:
+        The share as a Python float (the same sum on every rank).
+
+    Raises:
+        ValueError: on every rank, naming the ranks whose weight is negative, not finite or
+            not a scalar, or when all weights are zero.
+
+    Example:
+        >>> weight_share(3, ax, torch.device("cpu"))   # ranks with 3 and 5 examples: 0.375
+    """
+    bad = 0.0
+    try:
+        value = float(weight.detach().reshape(())) if isinstance(weight, torch.Tensor) \
+            else float(weight)
+        if isinstance(weight, bool) or not math.isfinite(value) or value < 0:
+            raise ValueError
+    except (TypeError, ValueError, RuntimeError):
+        value, bad = 0.0, 1.0
+    mine = torch.zeros(2 * ax.size, dtype=torch.float64, device=device)
+    mine[ax.index], mine[ax.size + ax.index] = value, bad
+    everyone = _comm.psum(mine, ax).cpu() if ax.size > 1 else mine.cpu()
+    weights, bads = everyone[:ax.size].tolist(), everyone[ax.size:].tolist()
+    wrong = [i for i, b in enumerate(bads) if b]
+    if wrong:
+        raise ValueError(f"weight= must be a finite number >= 0 (this rank's number of examples) "
+                         f"on every rank of axis {ax.key!r}; axis indices {wrong} gave something "
+                         f"else (this rank, index {ax.index}, gave {weight!r})")
+    total = math.fsum(weights)
+    if total <= 0:
+        raise ValueError(f"weight=: every rank of axis {ax.key!r} gave weight 0 (no examples): "
+                         f"the weighted mean is undefined")
+    return value / total
+
+
 def _bytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
@@ -484,7 +562,8 @@ def start_reduce_scatter(plan: BucketPlan, flats: Sequence[torch.Tensor], ax: Ax
 
 
 def finish_reduce_scatter(plan: BucketPlan, flats: Sequence[torch.Tensor], exchange: Exchange,
-                          ax: Axis, outs: Sequence[torch.Tensor], divide_by: int | None) -> None:
+                          ax: Axis, outs: Sequence[torch.Tensor],
+                          divide_by: float | Sequence[float | None] | None) -> None:
     """Wait for a reduce-scatter and write this rank's summed pieces into ``outs``.
 
     Each piece is summed as this rank's own values plus the others' in
@@ -497,9 +576,13 @@ def finish_reduce_scatter(plan: BucketPlan, flats: Sequence[torch.Tensor], excha
         ax: the axis.
         outs: one 1-D tensor per piece of this rank's block (may be the piece of ``flats``
             itself: the sum is then written in place).
-        divide_by: divide the sums by this (the mean over ranks), or None.
+        divide_by: divide the sums by this (the mean over ranks), or None; or one divisor
+            (or None) per piece of this rank's block, for buckets whose leaves need different
+            ones (the ``post`` factors of :func:`~shardfn.primitives.reduce_scaling.divide_factors`
+            for low-precision leaves that were divided by ``pre`` before the exchange).
     """
     exchange.wait()
+    per_piece = isinstance(divide_by, (list, tuple))
     for p, ((leaf, lo, hi), out) in enumerate(zip(plan.blocks[ax.index], outs, strict=True)):
         others = exchange.received[p]
         if others[0] is out:  # received in place: a + b == b + a, the same sum
@@ -508,8 +591,9 @@ def finish_reduce_scatter(plan: BucketPlan, flats: Sequence[torch.Tensor], excha
             torch.add(flats[leaf][lo:hi], others[0], out=out)
         for term in others[1:]:
             out.add_(term)
-        if divide_by is not None:
-            out.div_(divide_by)
+        divisor = divide_by[p] if per_piece else divide_by
+        if divisor is not None and divisor != 1:
+            out.div_(divisor)
     exchange.received = []
 
 

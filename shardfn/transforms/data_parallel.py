@@ -33,21 +33,24 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from shardfn import pytree
 from shardfn.mesh import AxisName, Mesh
 from shardfn.optim.donation import writable_in_place
-from shardfn.primitives import _comm, stats
+from shardfn.primitives import _comm, consistency, stats
 from shardfn.primitives.flat import (
     BucketPlan,
     Exchange,
     FlatPartition,
     finish_reduce_scatter,
+    leaf_divide_factors,
+    piece_divisors,
     start_all_gather,
     start_reduce_scatter,
+    weight_share,
 )
 from shardfn.primitives.grad_hooks import GradHooks
 from shardfn.transforms.precision import Precision
@@ -109,9 +112,20 @@ def data_parallel(mesh: Mesh, axis: AxisName = "dp", *, bucket_bytes: int = DEFA
             plans[key] = FlatPartition.of(tree, ax.size, ax.index, max(1, bucket_bytes // itemsize))
         return plans[key]
 
-    def reduce_grads(grads):
-        if ax.size == 1:
-            return grads
+    def reduce_grads(grads, *, weight: float | torch.Tensor | None = None):
+        """Average ``grads`` over the axis (a new tree unless ``donate``).
+
+        Args:
+            grads: this rank's gradient tree (floating leaves are reduced; integer and
+                bool leaves are frozen and come back unchanged).
+            weight: this rank's number of examples (a number or 0-dim tensor), for
+                unequal per-rank batches: the result is ``sum_r w_r g_r / sum_r w_r``,
+                the full-batch gradient of a mean loss (one extra scalar all-reduce).
+                None: the plain mean of the per-rank gradients, which is the full-batch
+                gradient only when every rank has the same number of examples.
+        """
+        consistency.check_call("data_parallel.reduce_grads", ax, grads,
+                               weighted=weight is not None)
         leaves, treedef = pytree.tree_flatten(grads)
         names = None
         for i, g in enumerate(leaves):
@@ -119,16 +133,30 @@ def data_parallel(mesh: Mesh, axis: AxisName = "dp", *, bucket_bytes: int = DEFA
                 names = names or pytree.tree_paths(grads)
                 raise TypeError(f"reduce_grads: gradient leaf {names[i]!r} is a "
                                 f"{type(g).__name__}, expected a torch.Tensor")
-        part = plan(leaves, grads)
-        work = _working_copies(leaves, reduce_dtype, donate)
+        if weight is not None and not average:
+            raise ValueError("reduce_grads(weight=...) gives a weighted mean; it needs "
+                             "data_parallel(..., average=True)")
+        if ax.size == 1:
+            return grads
+        live = [i for i, g in enumerate(leaves) if g.is_floating_point() or g.is_complex()]
+        sub = leaves if len(live) == len(leaves) else [leaves[i] for i in live]
+        part = plan(sub, grads if sub is leaves else sub)
+        work = _working_copies(sub, reduce_dtype, donate)
         flats = [w.view(-1) for w in work]
-        _average_in_place(part.plans, flats, ax, average)
-        out = [g if w is g else w.view(g.shape).to(g.dtype)
-               for w, g in zip(work, leaves, strict=True)]
+        share = None if weight is None else weight_share(weight, ax, _device_of(sub))
+        divide = _prescale(flats, ax, average, share)
+        _average_in_place(part.plans, flats, ax, divide)
+        out = list(leaves)  # frozen (non-floating) leaves come back as they are
+        for w, i in zip(work, live, strict=True):
+            g = leaves[i]
+            out[i] = g if w is g else w.view(g.shape).to(g.dtype)
         return pytree.tree_unflatten(treedef, out)
 
-    def overlap(params) -> _Overlap:
-        return _Overlap(params, ax, bucket_bytes, average, reduce_dtype)
+    def overlap(params, *, weight: float | torch.Tensor | None = None) -> _Overlap:
+        if weight is not None and not average:
+            raise ValueError("overlap(weight=...) gives a weighted mean; it needs "
+                             "data_parallel(..., average=True)")
+        return _Overlap(params, ax, bucket_bytes, average, reduce_dtype, weight)
 
     return DataParallel(reduce_grads, overlap)
 
@@ -149,25 +177,61 @@ def _working_copies(leaves: Sequence[torch.Tensor], reduce_dtype: torch.dtype | 
     return out
 
 
+def _device_of(leaves: Sequence[torch.Tensor]) -> torch.device:
+    return leaves[0].device if leaves else torch.device("cpu")
+
+
+def _prescale(flats: Sequence[torch.Tensor], ax, average: bool, share: float | None
+              ) -> int | list[float] | None:
+    """Scale ``flats`` in place before their sum-reduction; what to divide the sums by after.
+
+    With a ``share`` (weighted mean) each rank multiplies by its share and the sums are
+    the result. Otherwise low-precision leaves are divided by FSDP2's ``pre`` factor now
+    and by ``post`` after (a mean that fits in fp16 then does not overflow on the way);
+    float32 leaves are divided by the axis size once, after the sum.
+
+    Returns:
+        None (nothing to divide), the axis size, or one divisor per leaf.
+    """
+    if share is not None:
+        if share != 1.0 and flats:
+            torch._foreach_mul_(list(flats), share)
+        return None
+    if not average:
+        return None
+    factors = leaf_divide_factors([f.dtype for f in flats], ax.size)
+    if factors is None:
+        return ax.size
+    pres, posts = factors
+    for f, pre in zip(flats, pres, strict=True):
+        if pre != 1:
+            f.div_(pre)
+    return posts
+
+
 def _average_in_place(plans: Sequence[BucketPlan], flats: Sequence[torch.Tensor], ax,
-                      average: bool) -> None:
-    """Sum (and average) every bucket over ``ax``, in place in ``flats``."""
+                      divide: Any) -> None:
+    """Sum (and divide) every bucket over ``ax``, in place in ``flats``."""
     scatters = []
     for b, plan in enumerate(plans):
         stats.record(ax.key, "psum", 2 * plan.nbytes(flats) * (ax.size - 1) / ax.size)
         scatters.append(start_reduce_scatter(plan, flats, ax, tag=2 * b, what="psum"))
     gathers = []
     for b, (plan, exchange) in enumerate(zip(plans, scatters, strict=True)):
-        gathers.append(_second_half(plan, flats, exchange, ax, average, tag=2 * b + 1))
+        gathers.append(_second_half(plan, flats, exchange, ax, divide, tag=2 * b + 1))
     for exchange in gathers:
         exchange.wait()
 
 
 def _second_half(plan: BucketPlan, flats: Sequence[torch.Tensor], exchange: Exchange, ax,
-                 average: bool, tag: int) -> Exchange:
-    """Finish a bucket's reduce-scatter in place and start its all-gather."""
+                 divide: Any, tag: int) -> Exchange:
+    """Finish a bucket's reduce-scatter in place and start its all-gather.
+
+    ``divide``: None, one divisor for every sum, or a list with one per leaf."""
     own = [flats[leaf][lo:hi] for leaf, lo, hi in plan.blocks[ax.index]]
-    finish_reduce_scatter(plan, flats, exchange, ax, own, ax.size if average else None)
+    if isinstance(divide, list):
+        divide = piece_divisors(plan, ax.index, divide)
+    finish_reduce_scatter(plan, flats, exchange, ax, own, divide)
     return start_all_gather(plan, own, flats, ax, tag=tag, what="psum")
 
 
@@ -175,9 +239,10 @@ class _Overlap(GradHooks):
     """Hooks that average gradient buckets in place as backward produces them."""
 
     def __init__(self, params, ax, bucket_bytes: int, average: bool,
-                 reduce_dtype: torch.dtype | None):
+                 reduce_dtype: torch.dtype | None, weight: float | torch.Tensor | None = None):
         super().__init__(params)
         self.ax, self.average, self.reduce_dtype = ax, average, reduce_dtype
+        self.weight = weight
         members: list[list[int]] = []
         size = 0
         for i in reversed(range(len(self.leaves))):
@@ -199,6 +264,10 @@ class _Overlap(GradHooks):
         self.pending = [len(m) for m in self.members]
         self.flats: list[torch.Tensor | None] = [None] * len(self.leaves)
         self.next = 0  # buckets are launched in index order, the same on every rank
+        self.divides: dict[int, Any] = {}
+        self.share = None  # this rank's weight / total weight (one scalar psum, before backward)
+        if self.weight is not None:
+            self.share = weight_share(self.weight, self.ax, _device_of(self.leaves))
         self._register()
         return self
 
@@ -225,6 +294,12 @@ class _Overlap(GradHooks):
                 self.flats[i] = grad.view(-1)
             if self.ax.size == 1:
                 continue
+            # scaled in place before the sum: the .grad is averaged in place anyway
+            self.divides[b] = _prescale([self.flats[i] for i in self.members[b]], self.ax,
+                                        self.average, self.share)
+            if isinstance(self.divides[b], list):  # per member: index by leaf number
+                posts = dict(zip(self.members[b], self.divides[b], strict=True))
+                self.divides[b] = [posts.get(i, 1.0) for i in range(len(self.leaves))]
             plan = self.plans[b]
             stats.record(self.ax.key, "psum",
                          2 * plan.nbytes(self.flats) * (self.ax.size - 1) / self.ax.size)
@@ -238,7 +313,7 @@ class _Overlap(GradHooks):
     def _gather(self, b: int) -> None:
         exchange = self.scatters.pop(b)
         self.gathers[b] = _second_half(self.plans[b], self.flats, exchange, self.ax,
-                                       self.average, tag=2 * b + 1)
+                                       self.divides.pop(b), tag=2 * b + 1)
 
     def grads(self):
         """Wait for every bucket; the tree of the averaged ``.grad`` tensors (averaged in

@@ -33,6 +33,7 @@ import torch
 from shardfn import pytree
 from shardfn.mesh import AxisName, Mesh
 from shardfn.optim.base import GradientTransformation
+from shardfn.optim.clipping import current_sharded_over
 
 __all__ = [
     "LossScaler",
@@ -183,8 +184,19 @@ def skip_nonfinite(opt: GradientTransformation) -> GradientTransformation:
     ``update(grads, state, params, finite=...)``: when ``finite`` is False the
     updates are zeros and the wrapped state is returned unchanged (so moments and
     step counts do not advance), like ``GradScaler.step`` skipping
-    ``optimizer.step()``. ``finite`` defaults to a local check; pass the result of
-    :func:`all_finite` reduced over the sharding axes for sharded gradients.
+    ``optimizer.step()``. ``finite`` defaults to a check that holds on every rank
+    together, in both orders of composition with ``shard_opt_state``:
+
+    * ``shard_opt_state(skip_nonfinite(opt), mesh, "dp")``: the check runs on this
+      rank's reduced gradient part and is reduced over the sharded axis (one scalar
+      psum), so one rank's inf skips the step on every rank;
+    * ``skip_nonfinite(shard_opt_state(opt, mesh, "dp"))``: the check runs on the local
+      (unreduced) gradients and is reduced over the axis the same way, so no rank skips
+      the collectives the others enter.
+
+    Elsewhere the default is a local check; for gradients sharded some other way pass
+    the result of :func:`all_finite` reduced over the sharding axes. Extra keywords
+    (``weight=``) are passed to ``opt.update``.
 
     Args:
         opt: the optimizer to guard.
@@ -196,16 +208,23 @@ def skip_nonfinite(opt: GradientTransformation) -> GradientTransformation:
         >>> opt = skip_nonfinite(sf.optim.adamw(1e-3))
     """
 
+    sharded_check = getattr(opt, "all_finite", None)  # a shard_opt_state optimizer's
+
     def init(params) -> _SkipState:
         return _SkipState(opt.init(params), torch.zeros((), dtype=torch.int64))
 
-    def update(grads, state: _SkipState, params=None, *, finite=None):
+    def update(grads, state: _SkipState, params=None, *, finite=None, **kwargs):
         if finite is None:
-            finite = all_finite(grads)
+            if sharded_check is not None:  # wrapping shard_opt_state: every rank's grads
+                finite = sharded_check(grads)
+            else:  # inside shard_opt_state: grads are this rank's part; reduce the answer
+                axes, mesh = current_sharded_over()
+                finite = all_finite(grads, axes if axes else (), mesh=mesh)
         if not bool(finite):
-            zeros = pytree.tree_map(torch.zeros_like, grads)
+            # zero updates shaped like the params (grads may be reduced pieces, ReducedGrads)
+            zeros = pytree.tree_map(torch.zeros_like, grads if params is None else params)
             return zeros, _SkipState(state.inner, state.skipped + 1)
-        updates, inner = opt.update(grads, state.inner, params)
+        updates, inner = opt.update(grads, state.inner, params, **kwargs)
         return updates, _SkipState(inner, state.skipped.clone())
 
     return GradientTransformation(init, update)
