@@ -140,8 +140,8 @@ def initialize(
     Raises:
         ValueError: malformed launcher variables (see :func:`launch_environment`),
             an unknown backend, NCCL without CUDA or with too few GPUs, ``device=``
-            with gloo, or an existing group that
-            contradicts the request or the environment (other backend, rank or size).
+            with gloo, or an existing group that contradicts the request or the
+            environment (another backend, rank, world size or device).
 
     Example:
         >>> info = initialize()   # under `torchrun --nproc-per-node 2 train.py`
