@@ -247,24 +247,35 @@ class FunctionalModel:
 
     # ---------------------------------------------------------------- apply
 
-    def apply(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+    def apply(
+        self, params: Mapping[str, torch.Tensor], *args: Any, mutable: bool = False, **kwargs: Any
+    ) -> Any:
         """Run the module's forward with ``params``; pure and torch.func-compatible.
 
         Buffers are given to the forward as private copies, so in-place
         updates (BatchNorm running stats in training mode) never reach the
-        caller's tensors; use :meth:`apply_with_buffers` to get them back.
+        caller's tensors; ``mutable=True`` returns them.
 
         Args:
             params: ``name -> Tensor`` with exactly the names in ``names``
                 (aliases of tied weights are not passed).
             *args, **kwargs: passed to ``module.forward``.
+            mutable: also return the buffers as the forward left them.
 
         Returns:
-            Whatever ``forward`` returns.
+            Whatever ``forward`` returns; with ``mutable=True`` the pair
+            ``(output, new_buffers)``: ``new_buffers`` maps every name in
+            ``buffer_names`` (integer ones such as ``num_batches_tracked``
+            included) to its value after the forward, so ``{**params, **new_buffers}``
+            is the next step's tree. Under ``torch.func.grad`` return them as the
+            auxiliary output (``has_aux=True``).
 
         Raises:
             ValueError: missing/unexpected names or a leaf of the wrong shape.
-            TypeError: ``params`` is not a mapping or holds a non-tensor.
+            TypeError: ``params`` is not a mapping or holds a non-tensor, or
+                ``mutable`` is not a bool.
+            RuntimeError: under ``torch.func.vmap``, the forward updates an
+                unbatched buffer in place (BatchNorm in training mode).
 
         Example:
             >>> model = functional(torch.nn.Linear(3, 2))
@@ -272,24 +283,23 @@ class FunctionalModel:
             >>> grads = torch.func.grad(lambda p, x: model.apply(p, x).sum())(params, torch.ones(3))
             >>> grads["bias"]
             tensor([1., 1.])
+            >>> bn = functional(torch.nn.BatchNorm1d(2))
+            >>> _, new = bn.apply(bn.init(0), torch.tensor([[0., 1.], [2., 3.]]), mutable=True)
+            >>> new["running_mean"], new["num_batches_tracked"]
+            (tensor([0.1000, 0.2000]), tensor(1))
         """
+        if not isinstance(mutable, bool):
+            raise TypeError(f"apply: mutable must be True or False, got {mutable!r}")
         call_params = self._call_params(params)
-        return torch.func.functional_call(
-            self.module, call_params, args, kwargs, tie_weights=True, strict=True
-        )
+        out = self._forward(call_params, args, kwargs)
+        if not mutable:
+            return out
+        return out, {name: call_params[name] for name in self.buffer_names}
 
     def apply_with_buffers(
         self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any
     ) -> tuple[Any, Params]:
-        """Like :meth:`apply`, and also return the buffers as the forward left them.
-
-        Args:
-            params, *args, **kwargs: as for :meth:`apply`.
-
-        Returns:
-            ``(output, buffers)``: ``buffers`` maps each name in ``buffer_names``
-            to its value after the forward (updated BatchNorm statistics), ready
-            for ``{**params, **buffers}``.
+        """Alias of ``apply(params, *args, mutable=True, **kwargs)``: ``(output, new_buffers)``.
 
         Example:
             >>> model = functional(torch.nn.BatchNorm1d(2))
@@ -298,11 +308,24 @@ class FunctionalModel:
             >>> buffers["running_mean"]
             tensor([0.1000, 0.2000])
         """
-        call_params = self._call_params(params)
-        out = torch.func.functional_call(
-            self.module, call_params, args, kwargs, tie_weights=True, strict=True
-        )
-        return out, {name: call_params[name] for name in self.buffer_names}
+        return self.apply(params, *args, mutable=True, **kwargs)
+
+    def _forward(self, call_params: Params, args: tuple, kwargs: dict) -> Any:
+        try:
+            return torch.func.functional_call(
+                self.module, call_params, args, kwargs, tie_weights=True, strict=True
+            )
+        except RuntimeError as error:
+            text = str(error).lower()
+            if not (_under_vmap() and ("in place" in text or "inplace" in text)):
+                raise
+            raise RuntimeError(
+                f"{type(self.module).__name__}.apply under torch.func.vmap: the forward updates "
+                f"a buffer in place that is not batched (buffers: {list(self.buffer_names)}), "
+                f"which vmap cannot do, as for torch modules. Batch the buffers too (vmap over "
+                f"the params tree, in_dims=0, as for an ensemble), or use model.eval() or "
+                f"track_running_stats=False. torch said: {error}"
+            ) from error
 
     def _call_params(self, params: Mapping[str, torch.Tensor]) -> Params:
         self.check(params)
@@ -311,11 +334,13 @@ class FunctionalModel:
             call_params[name] = call_params[name].clone()
         return call_params
 
-    def check(self, params: Mapping[str, torch.Tensor]) -> None:
+    def check(self, params: Mapping[str, torch.Tensor], *, shapes: bool = True) -> None:
         """Check that ``params`` has exactly this model's leaf names and shapes.
 
         Args:
             params: a ``name -> Tensor`` mapping.
+            shapes: also check the full shapes; ``False`` for a tree of local
+                shards (``sf.shard(params, specs, mesh)``), whose shapes differ.
 
         Raises:
             TypeError: not a mapping, or a value that is not a tensor (named).
@@ -352,7 +377,7 @@ class FunctionalModel:
             value = params[name]
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"params[{name!r}] must be a Tensor, got {type(value).__name__}")
-            if value.shape != leaf.shape:
+            if shapes and value.shape != leaf.shape:
                 raise ValueError(
                     f"params[{name!r}] has shape {tuple(value.shape)}, expected {tuple(leaf.shape)}"
                 )
@@ -362,11 +387,20 @@ class FunctionalModel:
     def split_trainable(self, params: Mapping[str, torch.Tensor]) -> tuple[Params, Params]:
         """Split ``params`` into ``(trainable, rest)``: trainable parameters vs buffers+frozen.
 
+        Only the names are checked (every leaf, none unknown), not the shapes, so
+        a tree of local shards (``sf.shard(params, specs, mesh)``) splits too.
+        Buffers (integer ones such as ``num_batches_tracked`` included) and
+        frozen parameters go to ``rest``; ``trainable`` holds only floating
+        leaves, so nothing integer reaches a gradient transform or an optimizer.
+
         Args:
-            params: a full ``name -> Tensor`` dict.
+            params: a ``name -> Tensor`` dict with every leaf name (full or sharded).
 
         Returns:
             ``(trainable, rest)``; differentiate only ``trainable``.
+
+        Raises:
+            ValueError / TypeError: as :meth:`check` for names and non-tensors.
 
         Example:
             >>> model = functional(torch.nn.BatchNorm1d(2))
@@ -374,7 +408,7 @@ class FunctionalModel:
             >>> sorted(trainable), sorted(rest)
             (['bias', 'weight'], ['num_batches_tracked', 'running_mean', 'running_var'])
         """
-        self.check(params)
+        self.check(params, shapes=False)
         trainable_set = set(self.trainable_names)
         trainable = {n: params[n] for n in self.names if n in trainable_set}
         rest = {n: params[n] for n in self.names if n not in trainable_set}
@@ -385,11 +419,19 @@ class FunctionalModel:
     ) -> Params:
         """Inverse of :meth:`split_trainable`: one dict in ``names`` order.
 
+        Names only are checked (the parts may be local shards of any shape):
+        none in both parts and none the model does not have. A subset of the
+        leaves is allowed (e.g. one pipeline stage's); :meth:`apply` checks
+        that every leaf is there.
+
         Args:
             trainable, rest: disjoint ``name -> Tensor`` dicts.
 
         Returns:
-            The merged dict (validate it with :meth:`check` or just :meth:`apply`).
+            The merged dict, in ``names`` order.
+
+        Raises:
+            ValueError: a name in both parts, or a name that is not a leaf of the model.
 
         Example:
             >>> model = functional(torch.nn.Linear(3, 2))
@@ -401,9 +443,18 @@ class FunctionalModel:
         if overlap:
             raise ValueError(f"merge: names present in both trainable and rest: {overlap}")
         both = {**rest, **trainable}
-        merged = {name: both[name] for name in self.names if name in both}
-        merged.update((name, value) for name, value in both.items() if name not in merged)
-        return merged
+        unknown = [name for name in both if name not in self._leaves]
+        if unknown:
+            described = [
+                f"{name!r} (tied to {self.tied[name]!r}; pass only that one)"
+                if name in self.tied
+                else f"{name!r}{_suggest(name, self.names)}"
+                for name in unknown
+            ]
+            raise ValueError(
+                f"merge: not leaves of {type(self.module).__name__}: {', '.join(described)}"
+            )
+        return {name: both[name] for name in self.names if name in both}
 
     def param_shapes(self) -> dict[str, ShapeDtype]:
         """``name -> ShapeDtype(shape, dtype)`` for every leaf, without materialising anything.
@@ -550,8 +601,12 @@ def functional(
         names=tuple(leaves),
         param_names=param_names,
         buffer_names=tuple(n for n, leaf in leaves.items() if leaf.is_buffer),
-        frozen_names=tuple(n for n in param_names if not leaves[n].requires_grad),
-        trainable_names=tuple(n for n in param_names if leaves[n].requires_grad),
+        frozen_names=tuple(
+            n for n in param_names if not (leaves[n].requires_grad and _floating(leaves[n].dtype))
+        ),
+        trainable_names=tuple(
+            n for n in param_names if leaves[n].requires_grad and _floating(leaves[n].dtype)
+        ),
         tied=tied,
         owners={n: leaf.owner for n, leaf in leaves.items()},
         module_paths=module_paths,
@@ -581,6 +636,15 @@ def _meta_skeleton(module: nn.Module) -> nn.Module:
             f"functional() could not copy {type(module).__name__} into a meta-device skeleton "
             f"(copy.deepcopy failed: {error}); keep non-copyable objects out of the module"
         ) from error
+
+
+def _floating(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def _under_vmap() -> bool:
+    stack = torch._C._functorch.get_interpreter_stack() or ()
+    return any(i.key() == torch._C._functorch.TransformType.Vmap for i in stack)
 
 
 def _reject_lazy(module: nn.Module) -> None:

@@ -560,3 +560,168 @@ def test_failing_reset_parameters_names_the_submodule():
     model = functional(module)  # the meta dry run fails too: values are kept from the module
     with pytest.raises(RuntimeError, match=r"reset_parameters\(\) of Broken at '1' failed.*boom"):
         model.init(0)
+
+
+# ------------------------------------------------------------------ buffers: apply(mutable=True)
+
+
+def bn_model_and_module():
+    module = ConvNet()
+    model = functional(module)
+    params = model.init(0)
+    load(module, params, model)
+    return model, module, params
+
+
+def test_apply_mutable_returns_every_buffer_after_the_forward():
+    model, module, params = bn_model_and_module()
+    x = torch.randn(8, 4)
+    out, new = model.apply(params, x, mutable=True)
+    torch.testing.assert_close(out, module(x))
+    assert list(new) == list(model.buffer_names)
+    for name in model.buffer_names:
+        torch.testing.assert_close(new[name], module.get_buffer(name))
+    assert new["bn.num_batches_tracked"].item() == 1 and params["bn.num_batches_tracked"] == 0
+    # two steps: {**params, **new} is the next tree
+    _, newer = model.apply({**params, **new}, x, mutable=True)
+    module(x)
+    assert newer["bn.num_batches_tracked"].item() == 2
+    torch.testing.assert_close(newer["bn.running_var"], module.get_buffer("bn.running_var"))
+    # the alias and the default
+    alias_out, alias_new = model.apply_with_buffers(params, x)
+    torch.testing.assert_close((alias_out, alias_new), (out, new))
+    torch.testing.assert_close(model.apply(params, x), out)
+    with pytest.raises(TypeError, match="mutable must be True or False"):
+        model.apply(params, x, mutable="yes")
+
+
+def test_apply_mutable_under_grad_has_aux_and_autograd():
+    model, module, params = bn_model_and_module()
+    x = torch.randn(8, 4)
+    trainable, rest = model.split_trainable(params)
+
+    def loss(trainable, rest, x):
+        out, new = model.apply(model.merge(trainable, rest), x, mutable=True)
+        return out.pow(2).sum(), new
+
+    grads, new = grad(loss, has_aux=True)(trainable, rest, x)
+    module(x).pow(2).sum().backward()
+    for name in trainable:
+        torch.testing.assert_close(grads[name], module.get_parameter(name).grad)
+    for name in model.buffer_names:
+        torch.testing.assert_close(new[name], module.get_buffer(name))
+    leaves = {k: v.clone().requires_grad_() for k, v in trainable.items()}
+    value, new_autograd = loss(leaves, rest, x)
+    value.backward()
+    for name in trainable:
+        torch.testing.assert_close(leaves[name].grad, grads[name])
+    torch.testing.assert_close(new_autograd, new)
+
+
+def test_apply_mutable_under_vmap():
+    model, module, params = bn_model_and_module()
+    xs = torch.randn(3, 8, 4)
+    # batched buffers (an ensemble of 3): each member updates its own statistics
+    stacked = {k: torch.stack([v] * 3) for k, v in params.items()}
+    outs, new = vmap(lambda p, x: model.apply(p, x, mutable=True))(stacked, xs)
+    for i in range(3):
+        out_i, new_i = model.apply(params, xs[i], mutable=True)
+        torch.testing.assert_close(outs[i], out_i)
+        torch.testing.assert_close({k: v[i] for k, v in new.items()}, new_i)
+    # unbatched buffers cannot be updated in place under vmap: torch refuses, and we say what to do
+    with pytest.raises(RuntimeError, match=r"under torch.func.vmap.*Batch the buffers too"):
+        vmap(lambda x: model.apply(params, x, mutable=True))(xs)
+    # eval mode reads the statistics only: fine
+    vmap(lambda x: model.eval().apply(params, x, mutable=True))(xs)
+
+
+def test_integer_leaves_are_never_trainable():
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.bn = nn.BatchNorm1d(3)
+            self.steps = nn.Parameter(torch.tensor([0]), requires_grad=False)  # integer param
+
+        def forward(self, x):
+            return self.bn(self.lin(x)) + self.steps
+
+    model = functional(Counting())
+    trainable, rest = model.split_trainable(model.init(0))
+    assert all(v.is_floating_point() for v in trainable.values())
+    assert "bn.num_batches_tracked" in rest and "steps" in rest
+    assert set(model.trainable_names) == set(trainable)
+    assert "steps" in model.frozen_names
+
+
+def test_merge_rejects_unknown_names():
+    model = functional(mlp([3, 4, 2]))
+    trainable, rest = model.split_trainable(model.init(0))
+    with pytest.raises(ValueError, match=r"not leaves of Sequential: '0.wieght'"):
+        model.merge({**trainable, "0.wieght": torch.zeros(1)}, rest)
+    subset = model.merge({"0.weight": trainable["0.weight"]}, {})  # a stage's leaves: allowed
+    assert list(subset) == ["0.weight"]
+
+
+def _split_and_merge_shards():
+    import shardfn as sf
+
+    model = functional(ConvNet())
+    mesh = sf.Mesh({"dp": 2})
+    full = model.init(0)
+    specs = {n: sf.P("dp") if n in ("lin.weight", "out.weight", "bn.running_mean") else None
+             for n in model.names}
+    shards = sf.shard(full, specs, mesh)
+    assert shards["lin.weight"].shape != full["lin.weight"].shape
+    trainable, rest = model.split_trainable(shards)
+    merged = model.merge(trainable, rest)
+    errors = {}
+    for what, bad in {"missing": {k: v for k, v in shards.items() if k != "bn.running_var"},
+                      "unexpected": {**shards, "lin.wieght": shards["lin.weight"]}}.items():
+        try:
+            model.split_trainable(bad)
+        except ValueError as error:
+            errors[what] = str(error)
+    return (sorted(trainable), sorted(rest), list(merged) == list(model.names),
+            all(merged[n] is shards[n] for n in model.names), errors)
+
+
+def test_split_and_merge_work_on_shard_trees(worlds):
+    for trainable, rest, ordered, same, errors in worlds(2).run(_split_and_merge_shards):
+        assert trainable == ["bn.bias", "bn.weight", "lin.bias", "lin.weight", "out.bias",
+                             "out.weight"]
+        assert rest == ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"]
+        assert ordered and same
+        assert "missing ['bn.running_var']" in errors["missing"]
+        assert "unexpected ['lin.wieght']" in errors["unexpected"]
+
+
+def test_remat_over_functional_batchnorm_with_mutable():
+    from shardfn.transforms.remat import checkpoint_policies, remat
+
+    model, _, params = bn_model_and_module()
+    x = torch.randn(8, 4)
+    trainable, rest = model.split_trainable(params)
+
+    def step(trainable, rest, x):
+        out, new = model.apply(model.merge(trainable, rest), x, mutable=True)
+        return out, new
+
+    def loss(fn):
+        def value(trainable, rest, x):
+            out, new = fn(trainable, rest, x)
+            return out.pow(2).sum(), new
+        return value
+
+    for policy in (checkpoint_policies.nothing_saveable, checkpoint_policies.dots_saveable):
+        fast = remat(step, policy)
+        ref_grads, ref_new = grad(loss(step), has_aux=True)(trainable, rest, x)
+        grads, new = grad(loss(fast), has_aux=True)(trainable, rest, x)
+        torch.testing.assert_close(grads, ref_grads)
+        torch.testing.assert_close(new, ref_new)
+        assert new["bn.num_batches_tracked"].item() == 1
+        leaves = {k: v.clone().requires_grad_() for k, v in trainable.items()}
+        value, new_autograd = loss(fast)(leaves, rest, x)
+        value.backward()
+        torch.testing.assert_close({k: v.grad for k, v in leaves.items()}, ref_grads)
+        torch.testing.assert_close(new_autograd, ref_new)
