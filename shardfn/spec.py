@@ -8,14 +8,18 @@ minor in mesh order) or None; dims past the end of the spec are replicated and
 **Uneven dims are padded, never refused.** A dim of size ``d`` split over ``n``
 ranks gets blocks of ``ceil(d / n)`` rows; the last blocks are zero-padded so
 that every rank holds a local shard of the same shape (collectives need equal
-shapes). :func:`gather` cuts the padding off again — exactly when it knows the
-global shape, i.e. when the spec leaf is a :class:`Layout` (as
-``model.specs`` of sharded models are, and as :func:`layout_of` builds). With a
-bare ``P`` the gathered dim is ``n * ceil(d / n)``, which is exact for even
-splits.
+shapes). :func:`gather` cuts the padding off again, which needs the global
+shape: give it :class:`Layout` spec leaves (as ``model.specs`` of sharded models
+are, and as :func:`layout_of` builds). A bare ``P`` on a dim sharded over more
+than one rank cannot tell ``d`` from the padded ``n * ceil(d / n)``, so
+:func:`gather` refuses it (naming the leaf) unless ``padded=True`` asks for the
+padded size; it never guesses.
 
 A spec tree may be a prefix of the value tree (JAX's rule); a ``None`` in it
-means replicated.
+means replicated. A ``None`` in the *value* tree is an empty subtree (as in
+JAX): it comes back as ``None`` whatever spec covers it, except a ``Layout``,
+which describes a tensor and so refuses it. Every other value leaf must be a
+tensor.
 
 Example:
     >>> mesh = Mesh({"dp": 1})
@@ -32,10 +36,12 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import optree
 import torch
 
 from shardfn import pytree
 from shardfn.mesh import Mesh, get_mesh
+from shardfn.primitives import _comm, consistency
 
 __all__ = ["Layout", "P", "gather", "layout_of", "local_shape", "shard", "spec_axes"]
 
@@ -148,9 +154,24 @@ def _check(name: str, x: torch.Tensor, spec: P, mesh: Mesh) -> None:
 
 
 def _flatten_specs(specs, tree) -> tuple[list[str], list, list, Any]:
-    names, leaves, treedef = pytree.tree_flatten_with_path(tree)
+    """Names, leaves (``None`` included, as a leaf) and one spec per leaf, and the treedef."""
+    paths, leaves, treedef = optree.tree_flatten_with_path(
+        tree, none_is_leaf=True, namespace=pytree.NAMESPACE)
     spec_leaves = pytree.broadcast_prefix(specs, tree, _is_spec_leaf)
-    return names, leaves, spec_leaves, treedef
+    return [pytree.path_name(p) for p in paths], leaves, spec_leaves, treedef
+
+
+def _check_leaf(op: str, name: str, x: Any, spec_leaf) -> bool:
+    """Whether ``x`` is a tensor to work on (False: a None to pass through), or a clear error."""
+    if x is None:
+        if isinstance(spec_leaf, Layout):
+            raise TypeError(f"{op}: leaf {name!r} is None but its spec {spec_leaf} describes a "
+                            f"tensor of shape {spec_leaf.shape}")
+        return False
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: leaf {name!r} is a {type(x).__name__}, not a Tensor (None is "
+                        "allowed: an empty subtree)")
+    return True
 
 
 def _as_spec(spec) -> P:
@@ -194,10 +215,10 @@ def shard(tree, specs, mesh: Mesh | None = None):
     """This rank's local shards of the full ``tree`` (zero-padded to equal shapes).
 
     Differentiable (it is slicing and padding). No communication: every rank
-    must hold the full tree.
+    must hold the full tree (check mode verifies that it does).
 
     Args:
-        tree: a pytree of full tensors.
+        tree: a pytree of full tensors (``None`` leaves pass through).
         specs: a tree of ``P``/``Layout`` (or None = replicated), a prefix of ``tree``.
         mesh: the mesh (default: the current mesh).
 
@@ -206,34 +227,74 @@ def shard(tree, specs, mesh: Mesh | None = None):
 
     Raises:
         ValueError: naming the leaf for a spec longer than its tensor's rank, an
-            unknown or repeated axis, or a spec tree that does not fit ``tree``.
+            unknown or repeated axis, a ``Layout`` whose shape is not the
+            tensor's, or a spec tree that does not fit ``tree``.
+        TypeError: naming the leaf for a leaf that is not a tensor.
 
     Example:
         >>> local = sf.shard(params, {"w": sf.P("dp", None), "b": sf.P()}, mesh)
     """
     mesh = get_mesh(mesh)
     names, leaves, spec_leaves, treedef = _flatten_specs(specs, tree)
-    out = []
-    for name, x, spec in zip(names, leaves, spec_leaves, strict=True):
-        spec = _as_spec(spec)
-        _check(name, x, spec, mesh)
-        out.append(_shard_leaf(x, spec, mesh))
+    for name, x, spec_leaf in zip(names, leaves, spec_leaves, strict=True):
+        if not _check_leaf("shard", name, x, spec_leaf):
+            continue
+        _check(name, x, _as_spec(spec_leaf), mesh)
+        if isinstance(spec_leaf, Layout) and tuple(x.shape) != tuple(spec_leaf.shape):
+            raise ValueError(f"shard: leaf {name!r} has shape {tuple(x.shape)} but its layout "
+                             f"{spec_leaf} is for global shape {tuple(spec_leaf.shape)}")
+    everything = _comm.resolve(mesh.axis_names, mesh)
+    if everything.size > 1:
+        consistency.check_replicated("sf.shard input", everything, tree)
+    out = [x if x is None else _shard_leaf(x, _as_spec(s), mesh)
+           for x, s in zip(leaves, spec_leaves, strict=True)]
     return pytree.tree_unflatten(treedef, out)
 
 
-def gather(tree, specs, mesh: Mesh | None = None):
+def _check_gather(name: str, x: torch.Tensor, spec_leaf, mesh: Mesh, padded: bool) -> None:
+    spec = _as_spec(spec_leaf)
+    _check(name, x, spec, mesh)
+    if isinstance(spec_leaf, Layout):
+        expected = local_shape(spec_leaf.shape, spec, mesh)
+        if tuple(x.shape) != expected:
+            raise ValueError(f"leaf {name!r}: local shard has shape {tuple(x.shape)} but "
+                             f"layout {spec} of global shape {spec_leaf.shape} on mesh "
+                             f"{dict(zip(mesh.axis_names, mesh.shape, strict=True))} "
+                             f"gives {expected}")
+        return
+    for dim, part in enumerate(spec):
+        n, local = (1, 0) if part is None else (mesh.size(part), x.shape[dim])
+        if n > 1 and local > 0 and not padded:
+            raise ValueError(
+                f"gather: leaf {name!r} is sharded on dim {dim} over {part!r} ({n} ranks) with "
+                f"a bare {spec}, which cannot tell its global size: an uneven split is padded, "
+                f"so {n} shards of {local} hold from {n * (local - 1) + 1} to {n * local} real "
+                "rows. Pass Layouts (sf.layout_of(full_tree, specs), or model.specs) for the "
+                f"exact tensor, or padded=True for the padded size {n * local}")
+
+
+def gather(tree, specs, mesh: Mesh | None = None, *, padded: bool = False):
     """Rebuild full tensors from local shards (all-gather along every sharded dim).
 
     Differentiable (the all-gathers transpose to reduce-scatters).
 
     Args:
-        tree: a pytree of local shards, as :func:`shard` returns.
-        specs: a tree of ``Layout`` (exact: padding is removed) or ``P`` (the
-            gathered dim is ``axis size * local size``), a prefix of ``tree``.
+        tree: a pytree of local shards, as :func:`shard` returns (``None`` leaves
+            pass through).
+        specs: a tree of ``Layout`` (exact: padding is removed) or, for dims not
+            sharded over more than one rank, ``P``; a prefix of ``tree``.
         mesh: the mesh (default: the current mesh).
+        padded: allow a bare ``P`` on a sharded dim, giving the padded size
+            ``axis size * local size`` (exact only for even splits).
 
     Returns:
         The tree of full tensors (identical on every rank).
+
+    Raises:
+        ValueError: naming the leaf, for a bare ``P`` on a dim sharded over more
+            than one rank (without ``padded=True``), a local shard whose shape the
+            layout does not give, or a bad spec.
+        TypeError: naming the leaf, for a leaf that is not a tensor.
 
     Example:
         >>> full = sf.gather(local, sf.layout_of(params, specs), mesh)
@@ -242,18 +303,12 @@ def gather(tree, specs, mesh: Mesh | None = None):
 
     mesh = get_mesh(mesh)
     names, leaves, spec_leaves, treedef = _flatten_specs(specs, tree)
-    out = []
     for name, x, spec_leaf in zip(names, leaves, spec_leaves, strict=True):
-        spec = _as_spec(spec_leaf)
-        _check(name, x, spec, mesh)
-        if isinstance(spec_leaf, Layout):
-            expected = local_shape(spec_leaf.shape, spec, mesh)
-            if tuple(x.shape) != expected:
-                raise ValueError(f"leaf {name!r}: local shard has shape {tuple(x.shape)} but "
-                                 f"layout {spec} of global shape {spec_leaf.shape} on mesh "
-                                 f"{dict(zip(mesh.axis_names, mesh.shape, strict=True))} "
-                                 f"gives {expected}")
-        for dim, part in enumerate(spec):
+        if _check_leaf("gather", name, x, spec_leaf):
+            _check_gather(name, x, spec_leaf, mesh, padded)
+    out = []
+    for x, spec_leaf in zip(leaves, spec_leaves, strict=True):
+        for dim, part in enumerate(_as_spec(spec_leaf) if x is not None else ()):
             if part is None:
                 continue
             x = all_gather(x, part, dim=dim, mesh=mesh)
@@ -267,7 +322,8 @@ def layout_of(tree, specs):
     """Pair every leaf's spec with the leaf's global shape (a tree of :class:`Layout`).
 
     Args:
-        tree: a pytree of full tensors (or anything with ``.shape``, e.g. meta tensors).
+        tree: a pytree of full tensors (or anything with ``.shape``, e.g. meta
+            tensors); ``None`` leaves stay ``None``.
         specs: a tree of ``P`` (or None), a prefix of ``tree``.
 
     Returns:
@@ -278,5 +334,10 @@ def layout_of(tree, specs):
         {'w': Layout(spec=P('dp'), shape=(5, 3))}
     """
     names, leaves, spec_leaves, treedef = _flatten_specs(specs, tree)
-    out = [Layout(_as_spec(s), tuple(x.shape)) for x, s in zip(leaves, spec_leaves, strict=True)]
+    out = []
+    for name, x, spec in zip(names, leaves, spec_leaves, strict=True):
+        if x is not None and not hasattr(x, "shape"):
+            raise TypeError(f"layout_of: leaf {name!r} is a {type(x).__name__}, which has no "
+                            ".shape (give tensors or meta tensors)")
+        out.append(None if x is None else Layout(_as_spec(spec), tuple(x.shape)))
     return pytree.tree_unflatten(treedef, out)

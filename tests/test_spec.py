@@ -77,13 +77,106 @@ def test_uneven_shard_on_three_ranks(worlds):
 
         mesh = sf.Mesh({"dp": 3})
         local = sf.shard(x, sf.P("dp"), mesh)
-        return local, sf.gather(local, sf.P("dp"), mesh), sf.gather(local, sf.layout_of(x, sf.P(
-            "dp")), mesh)
+        return local, sf.gather(local, sf.P("dp"), mesh, padded=True), sf.gather(
+            local, sf.layout_of(x, sf.P("dp")), mesh)
 
     results = worlds(3).run(on_rank, x)
     assert [r[0].tolist() for r in results] == [[0, 1, 2], [3, 4, 5], [6, 0, 0]]
-    assert results[0][1].tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 0]  # bare P: padded length
+    assert results[0][1].tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 0]  # padded=True: padded length
     assert_close(results[2][2], x)  # Layout: exact
+
+
+@pytest.mark.parametrize("size", [7, 9])
+def test_gather_with_a_bare_p_on_a_sharded_dim_refuses(worlds, size):
+    """gather(shard(x, P), P) used to return 9 rows for 7 without a word; now it names the leaf.
+
+    An even split (9 over 3) is refused too: from the shards alone 7, 8 and 9 rows look
+    the same, so gather cannot tell and never guesses.
+    """
+
+    def on_rank(x):
+        import shardfn as sf
+
+        mesh = sf.Mesh({"dp": 3, "r": 1})
+        local = sf.shard({"w": x, "b": x}, {"w": sf.P(None, "dp"), "b": sf.P(None, "r")}, mesh)
+        try:
+            sf.gather(local, {"w": sf.P(None, "dp"), "b": sf.P(None, "r")}, mesh)
+        except ValueError as err:
+            message = str(err)
+        exact = sf.gather(local, sf.layout_of({"w": x, "b": x}, {"w": sf.P(None, "dp"),
+                                                                 "b": sf.P(None, "r")}), mesh)
+        only_unsharded = sf.gather(local["b"], sf.P(None, "r"), mesh)  # axis of size 1: exact
+        return message, exact, only_unsharded
+
+    x = torch.randn(2, size)
+    for message, exact, only_unsharded in worlds(3).run(on_rank, x):
+        assert "leaf 'w'" in message and "dim 1" in message and "'dp'" in message
+        assert "sf.layout_of" in message and "padded=True" in message
+        assert_close(exact, {"w": x, "b": x})
+        assert_close(only_unsharded, x)
+
+
+def test_none_leaves_pass_through_shard_gather_and_layout_of():
+    """A None value leaf is an empty subtree (JAX): kept as None whatever P or None covers it."""
+    mesh = sf.Mesh({"dp": 1})
+    x = torch.randn(3, 2)
+    tree = {"w": x, "b": None, "blocks": [None, {"v": x}]}
+    for specs in ({"w": sf.P("dp"), "b": sf.P(), "blocks": sf.P("dp")},
+                  {"w": sf.P("dp"), "b": None, "blocks": None}, sf.P("dp"), None):
+        local = sf.shard(tree, specs, mesh)
+        assert local["b"] is None and local["blocks"][0] is None
+        layouts = sf.layout_of(tree, specs)
+        assert layouts["b"] is None and layouts["blocks"][0] is None
+        for back in (sf.gather(local, specs, mesh), sf.gather(local, layouts, mesh)):
+            assert back["b"] is None and back["blocks"][0] is None
+            assert_close(back["w"], x)
+            assert_close(back["blocks"][1]["v"], x)
+
+
+def test_non_tensor_leaves_and_layout_mismatches_name_the_leaf():
+    mesh = sf.Mesh({"dp": 1})
+    x = torch.randn(3, 2)
+    with pytest.raises(TypeError, match=r"shard: leaf 'b' is a int, not a Tensor"):
+        sf.shard({"w": x, "b": 3}, sf.P(), mesh)
+    with pytest.raises(TypeError, match=r"gather: leaf 'b' is a str"):
+        sf.gather({"w": x, "b": "s"}, sf.P(), mesh)
+    with pytest.raises(TypeError, match=r"layout_of: leaf 'b' is a float"):
+        sf.layout_of({"w": x, "b": 1.0}, sf.P())
+    layout = sf.Layout(sf.P("dp"), (3, 2))
+    with pytest.raises(TypeError, match=r"leaf 'b' is None but its spec .* shape \(3, 2\)"):
+        sf.shard({"w": x, "b": None}, {"w": layout, "b": layout}, mesh)
+    with pytest.raises(TypeError, match=r"leaf 'b' is None"):
+        sf.gather({"w": x, "b": None}, {"w": layout, "b": layout}, mesh)
+    with pytest.raises(ValueError, match=r"shard: leaf 'w' has shape \(3, 2\).*\(4, 2\)"):
+        sf.shard({"w": x}, {"w": sf.Layout(sf.P("dp"), (4, 2))}, mesh)
+
+
+def test_shard_checks_that_the_input_is_replicated(worlds):
+    """sf.shard calls the check-mode hook once, over all mesh axes, with the whole tree."""
+
+    def on_rank():
+        import contextlib
+
+        import shardfn as sf
+        from shardfn.primitives import consistency
+
+        calls = []
+        original = consistency.check_replicated
+        consistency.check_replicated = lambda what, ax, tree: calls.append((what, ax.names,
+                                                                            ax.size, tree))
+        try:
+            mesh = sf.Mesh({"a": 2, "b": 1})
+            tree = {"w": torch.ones(4, 2), "b": None}
+            sf.shard(tree, {"w": sf.P("a"), "b": None}, mesh)
+            with contextlib.suppress(ValueError):
+                sf.shard(tree, {"w": sf.P("nope")}, mesh)  # refused before the hook
+            sf.shard(tree, sf.P(), mesh)
+        finally:
+            consistency.check_replicated = original
+        return [(what, names, size, sorted(t)) for what, names, size, t in calls]
+
+    for calls in worlds(2).run(on_rank):
+        assert calls == [("sf.shard input", ("a", "b"), 2, ["b", "w"])] * 2
 
 
 def test_spec_tree_may_be_a_prefix():
