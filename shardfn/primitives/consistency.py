@@ -36,6 +36,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import sys
 import threading
 from collections.abc import Iterator, Mapping
@@ -237,6 +238,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _SKIP_DIRS = tuple(os.path.join(d, "") for d in (_PACKAGE_DIR, _TORCH_DIR))
 _REPR_LIMIT = 200
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _call_site() -> str:
@@ -255,7 +257,7 @@ def _describe_leaf(leaf: Any) -> str:
     if isinstance(leaf, torch.Tensor):  # metadata only: works on functorch-wrapped tensors
         dims = ", ".join(str(d) for d in leaf.shape)
         return f"{str(leaf.dtype).removeprefix('torch.')}[{dims}]"
-    text = repr(leaf)
+    text = _ADDRESS.sub("", repr(leaf))  # "<function f at 0x7f..>": the address is per process
     return text if len(text) <= _REPR_LIMIT else text[:_REPR_LIMIT] + "..."
 
 
@@ -308,6 +310,12 @@ def _comparable(fp: dict) -> dict:
 
 
 # --- the exchange ---------------------------------------------------------------------
+#
+# Round 1 (every check): each rank posts a short summary: a digest of everything compared,
+# the call as text and its site. Equal digests: done. Otherwise round 2 (only on a
+# mismatch, which every rank sees at once): each rank posts its whole fingerprint, so the
+# message can say what differs. The store therefore carries a few hundred bytes per rank
+# and check whatever the size of the tree.
 
 
 def _wait_keys(store: dist.Store, keys: list[str], timeout_s: float) -> bool:
@@ -328,8 +336,15 @@ def _wait_keys(store: dist.Store, keys: list[str], timeout_s: float) -> bool:
     return True
 
 
-def _exchange(ax: Axis, payload: dict, label: str) -> tuple[int, list[dict]]:
-    """Post this rank's payload as the group's next checked call; every rank's, by rank.
+def _digest(fp: dict) -> str:
+    comparable = {k: v for k, v in fp.items() if k != "site"}
+    text = json.dumps(comparable, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _exchange(ax: Axis, fp: dict, label: str) -> tuple[int, list[dict] | None]:
+    """Post ``fp`` as the group's next checked call; ``(call number, None)`` when every rank
+    posted the same, else ``(call number, every rank's fingerprint by rank)``.
 
     Raises:
         ConsistencyError: when a rank does not post within the timeout.
@@ -337,55 +352,65 @@ def _exchange(ax: Axis, payload: dict, label: str) -> tuple[int, list[dict]]:
     store = _default_store()
     rank = dist.get_rank()
     group = ",".join(str(r) for r in ax.ranks)
+    summary = {"digest": _digest(fp), "call": _call_text(fp), "site": fp["site"]}
     with _STATE_LOCK:
         seq = _SEQ.get(ax.ranks, 0)
         _SEQ[ax.ranks] = seq + 1
         prefix = f"sfcheck/{_EPOCH[0]}/{group}/"
         mine = f"{prefix}{seq}/{rank}"
         keys = [f"{prefix}{seq}/{r}" for r in ax.ranks]
-        store.set(mine, json.dumps(payload))
+        store.set(mine, json.dumps(summary))
         with stats.collective_scope(f"check mode: waiting for the ranks of axis {ax.key!r} "
                                     f"{list(ax.ranks)} at {label} #{seq + 1}"):
             arrived = _wait_keys(store, keys, _TIMEOUT_S)
         if not arrived:
-            message = _timeout_message(store, ax, prefix, seq, keys, payload, label)
+            message = _timeout_message(store, ax, prefix, seq, keys, summary, fp["op"], label)
             # Take the call back: the late rank's next call then pairs with our next one.
             with contextlib.suppress(Exception):
                 store.delete_key(mine)
             _SEQ[ax.ranks] = seq
             raise ConsistencyError(message)
-        values = [json.loads(v) for v in store.multi_get(keys)]
+        summaries = [json.loads(v) for v in store.multi_get(keys)]
         if seq > 0:  # every peer has posted call seq, so none still reads our call seq - 1
             store.delete_key(f"{prefix}{seq - 1}/{rank}")
-    return seq, values
+        if all(other["digest"] == summary["digest"] for other in summaries):
+            return seq, None
+        full_keys = [f"{prefix}{seq}/full/{r}" for r in ax.ranks]  # kept: errors are rare
+        store.set(full_keys[ax.ranks.index(rank)], json.dumps(fp))
+        if not _wait_keys(store, full_keys, _TIMEOUT_S):
+            rows = [f"  rank {r}: {o['call']} at {o['site']}"
+                    for r, o in zip(ax.ranks, summaries, strict=True)]
+            raise ConsistencyError("\n".join([
+                f"check mode: ranks of axis {ax.key!r} (ranks {list(ax.ranks)}) disagree at "
+                f"{label} #{seq + 1} (a rank did not post the details):", *rows]))
+        return seq, [json.loads(v) for v in store.multi_get(full_keys)]
 
 
 def _timeout_message(store: dist.Store, ax: Axis, prefix: str, seq: int, keys: list[str],
-                     payload: dict, label: str) -> str:
-    lines = []
+                     summary: dict, op: str, label: str) -> str:
     here = store.check  # one key at a time: some may have arrived meanwhile
     missing = [r for r, key in zip(ax.ranks, keys, strict=True) if not here([key])]
-    arrived = [r for r in ax.ranks if r not in missing]
-    doing = f"{payload['op']} over {ax.key!r} at {payload['site']}"
+    lines = []
     for r in missing:
         last = "it made no checked call on this axis before"
         previous = f"{prefix}{seq - 1}/{r}"
         if seq > 0 and here([previous]):
             with contextlib.suppress(Exception):
-                fp = json.loads(store.get(previous))
-                last = f"its last checked call was #{seq}: {_call_text(fp)} at {fp['site']}"
-        lines.append(f"rank {r} never reached {label} #{seq + 1} ({doing}); {last}")
+                other = json.loads(store.get(previous))
+                last = f"its last checked call was #{seq}: {other['call']} at {other['site']}"
+        lines.append(f"  rank {r} never reached {label} #{seq + 1} ({op} over {ax.key!r} at "
+                     f"{summary['site']}); {last}")
+    for r, key in zip(ax.ranks, keys, strict=True):
+        if r not in missing:
+            with contextlib.suppress(Exception):
+                other = json.loads(store.get(key))
+                lines.append(f"  rank {r} arrived: {other['call']} at {other['site']}")
     head = (f"check mode: ranks of axis {ax.key!r} (ranks {list(ax.ranks)}) timed out after "
             f"{_TIMEOUT_S:g} s at {label} #{seq + 1}:")
-    body = [f"  {line}" for line in lines]
-    for r in arrived:
-        with contextlib.suppress(Exception):
-            fp = json.loads(store.get(f"{prefix}{seq}/{r}"))
-            body.append(f"  rank {r} arrived: {_call_text(fp)} at {fp['site']}")
     hint = ("  (a rank skipped this call, made an extra one, raised before it, or is blocked "
             "elsewhere; raise the timeout with sf.check_consistency(True, timeout=...) or "
             "SHARDFN_CHECK_TIMEOUT if it is only slow)")
-    return "\n".join([head, *body, hint])
+    return "\n".join([head, *lines, hint])
 
 
 def _mismatch_message(ax: Axis, seq: int, fps: list[dict], label: str) -> str:
@@ -427,10 +452,8 @@ def check_call(op: str, ax: Axis, tree: Any = None, **static: Any) -> None:
     """
     if not _active(ax):
         return
-    fp = _fingerprint(op, ax, tree, static)
-    seq, fps = _exchange(ax, fp, "collective")
-    mine = _comparable(fp)
-    if any(_comparable(other) != mine for other in fps):
+    seq, fps = _exchange(ax, _fingerprint(op, ax, tree, static), "collective")
+    if fps is not None:
         raise ConsistencyError(_mismatch_message(ax, seq, fps, "collective"))
 
 
@@ -473,11 +496,10 @@ def check_replicated(what: str, ax: Axis, tree: Any) -> None:
     fp = _fingerprint(f"check_replicated[{what}]", ax, tree, {})
     fp["hashes"] = [_leaf_hash(leaf) for leaf in pt.tree_leaves(tree)]
     seq, fps = _exchange(ax, fp, "check")
-    mine = _comparable(fp)
-    if any(_comparable(other) != mine for other in fps):
-        raise ConsistencyError(_mismatch_message(ax, seq, fps, "check"))
-    if all(other["hashes"] == fp["hashes"] for other in fps):
+    if fps is None:
         return
+    if any(_comparable(other) != _comparable(fp) for other in fps):
+        raise ConsistencyError(_mismatch_message(ax, seq, fps, "check"))
     raise ConsistencyError(_replicated_message(what, ax, seq, fps))
 
 

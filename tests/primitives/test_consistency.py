@@ -221,6 +221,37 @@ def test_groups_are_checked_apart(worlds):
     assert "axis 'b' (ranks [2, 3])" in messages[0] and "rank 3: psum(int64[2])" in messages[0]
 
 
+def _objects_and_big_trees(rank, ax):
+    from torch.distributed import distributed_c10d
+
+    class Config:  # default repr "<...Config object at 0x...>": the address differs per rank
+        pass
+
+    tree = {f"w{i}": torch.ones(2, i % 3) for i in range(500)}
+    consistency.check_call("shard_params.apply", ax, ((tree, Config()), {"fn": _checked}))
+    store = distributed_c10d._get_default_store()
+    posted = store.get(f"sfcheck/{consistency._EPOCH[0]}/0,1/0/{rank}")
+    return len(posted)
+
+
+def test_object_addresses_are_not_compared_and_big_trees_post_little(worlds):
+    results = worlds(2).run(_checked, _objects_and_big_trees)
+    assert [kind for kind, _ in results] == ["ok", "ok"], results
+    assert all(size < 1000 for _, size in results), results  # a digest, not 500 leaves
+
+
+def _big_tree_mismatch(rank, ax):
+    tree = {f"w{i}": torch.ones(2, 3) for i in range(50)}
+    if rank == 1:
+        tree["w37"] = torch.ones(2, 4)
+    consistency.check_call("pmean", ax, tree)
+
+
+def test_big_tree_mismatch_names_the_leaf(worlds):
+    _same_error_everywhere(worlds(2).run(_checked, _big_tree_mismatch),
+                           "in leaf 'w37' (float32[2, 3] vs float32[2, 4])", "... 46 more")
+
+
 # ---------------------------------------------------------------- under torch.func and autograd
 
 
