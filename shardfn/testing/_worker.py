@@ -227,12 +227,20 @@ def _group_sequence(dist: Any) -> int:
     return total
 
 
-def _progress_signature(main_thread_id: int, counters: list[Callable[[], int]]) -> tuple:
+def _progress_signature(main_thread_id: int, in_flight: Callable | None,
+                        counters: list[Callable[[], int]]) -> tuple:
     """What changes while a rank makes progress: shardfn's and torch's collective counts,
-    heartbeats, and where the main thread's Python code is (its innermost frame)."""
-    frame = sys._current_frames().get(main_thread_id)
-    where = (id(frame), frame.f_lasti, frame.f_lineno) if frame is not None else None
-    del frame
+    heartbeats, and where the main thread's Python code is (its innermost frame).
+
+    Inside a shardfn collective (``in_flight()`` set) the frame is left out: a
+    collective that polls in Python (check mode's exchange) is still one stuck call.
+    """
+    doing = in_flight() if in_flight is not None else None
+    where = doing
+    if doing is None:
+        frame = sys._current_frames().get(main_thread_id)
+        where = (id(frame), frame.f_lasti, frame.f_lineno) if frame is not None else None
+        del frame
     return (where, *(counter() for counter in counters))
 
 
@@ -254,7 +262,7 @@ def _watchdog(conn: Connection, main_thread_id: int, in_flight: Callable | None,
         except (EOFError, OSError):
             os._exit(0)  # the parent is gone: never linger as an orphan
         with contextlib.suppress(Exception):  # a sample must never kill the watchdog
-            signature = _progress_signature(main_thread_id, counters)
+            signature = _progress_signature(main_thread_id, in_flight, counters)
             if signature != last:
                 last = signature
                 progress.value += 1

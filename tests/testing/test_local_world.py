@@ -18,6 +18,14 @@ from shardfn.testing import LocalWorld, RankError, WorldTimeout, local_world
 PARENT = os.getpid()
 
 
+@pytest.fixture(scope="module")
+def fragile():
+    """This module's own world of 2 ranks, for the tests that break it (not the session's)."""
+    world = LocalWorld(2)
+    yield world
+    world.close()
+
+
 def _rank_and_size() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
@@ -91,22 +99,22 @@ def test_rank_error_names_rank_and_traceback(worlds):
     assert worlds(2).run(_rank_and_size) == [(0, 2), (1, 2)]
 
 
-def test_rank_error_while_peer_waits_in_collective(worlds):
+def test_rank_error_while_peer_waits_in_collective(fragile):
     def fn():
         if dist.get_rank() == 1:
             raise KeyError("rank 1 gives up")
         dist.all_reduce(torch.ones(2))  # never matched: rank 0 blocks here
 
-    pids = _pids(worlds(2))
+    pids = _pids(fragile)
     with pytest.raises(RankError) as info:
-        worlds(2).run(fn, timeout=30)
+        fragile.run(fn, timeout=30)
     assert info.value.rank == 1 and "rank 1 gives up" in info.value.remote_traceback
     assert "rank 0 did not finish" in str(info.value) and "all_reduce" in str(info.value)
-    assert set(_pids(worlds(2))).isdisjoint(pids)  # restarted
-    assert worlds(2).run(lambda: dist.all_reduce(torch.ones(1)) or 1) == [1, 1]
+    assert set(_pids(fragile)).isdisjoint(pids)  # restarted
+    assert fragile.run(lambda: dist.all_reduce(torch.ones(1)) or 1) == [1, 1]
 
 
-def test_hang_raises_world_timeout_with_stacks(worlds):
+def test_hang_raises_world_timeout_with_stacks(fragile):
     def fn():
         if dist.get_rank() == 1:
             time.sleep(1000)
@@ -114,7 +122,7 @@ def test_hang_raises_world_timeout_with_stacks(worlds):
 
     start = time.monotonic()
     with pytest.raises(WorldTimeout) as info:
-        worlds(2).run(fn, timeout=3)
+        fragile.run(fn, timeout=3)
     assert time.monotonic() - start < 10
     error = info.value
     assert isinstance(error, TimeoutError) and isinstance(error, RankError)
@@ -123,7 +131,7 @@ def test_hang_raises_world_timeout_with_stacks(worlds):
     assert "rank 1 did not finish" in message and "time.sleep(1000)" in message
     assert "rank 0 did not finish" in message and "all_reduce" in message
     assert "collective in flight" in message
-    assert worlds(2).run(_rank_and_size) == [(0, 2), (1, 2)]
+    assert fragile.run(_rank_and_size) == [(0, 2), (1, 2)]
 
 
 @pytest.mark.parametrize(
@@ -131,7 +139,7 @@ def test_hang_raises_world_timeout_with_stacks(worlds):
     [(lambda: os._exit(3), "exit code 3"), (lambda: ctypes.string_at(0), "SIGSEGV")],
     ids=["exit", "segfault"],
 )
-def test_dead_rank_is_reported_with_exit_code(worlds, die, expected):
+def test_dead_rank_is_reported_with_exit_code(fragile, die, expected):
     def fn():
         if dist.get_rank() == 1:
             die()
@@ -139,10 +147,10 @@ def test_dead_rank_is_reported_with_exit_code(worlds, die, expected):
 
     start = time.monotonic()
     with pytest.raises(WorldTimeout, match=f"rank 1 is dead \\(.*{expected}") as info:
-        worlds(2).run(fn, timeout=60)
+        fragile.run(fn, timeout=60)
     assert time.monotonic() - start < 15  # found by the process sentinel, not the timeout
     assert info.value.rank == 1 and info.value.ranks == (1,)
-    assert worlds(2).run(_rank_and_size) == [(0, 2), (1, 2)]
+    assert fragile.run(_rank_and_size) == [(0, 2), (1, 2)]
 
 
 def test_unpicklable_result_is_a_rank_error(worlds):
