@@ -287,10 +287,12 @@ class _Overlap(GradHooks):
             self.next += 1
             for i in self.members[b]:
                 grad = self.leaves[i].grad
-                if self.ax.size > 1 and (self.reduce_dtype not in (None, grad.dtype)
-                                         or not grad.is_contiguous()):
-                    grad = grad.to(dtype=self.reduce_dtype or grad.dtype,
-                                   memory_format=torch.contiguous_format)
+                if (self.ax.size > 1 and self.reduce_dtype not in (None, grad.dtype)
+                        or not grad.is_contiguous()):
+                    # a copy (.to alone would alias a transposed .grad: its suggested memory
+                    # format is contiguous); averaged in it, copied back in grads()
+                    dtype = self.reduce_dtype if self.ax.size > 1 else None
+                    grad = grad.to(dtype=dtype or grad.dtype).contiguous()
                 self.flats[i] = grad.view(-1)
             if self.ax.size == 1:
                 continue

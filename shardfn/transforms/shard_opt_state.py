@@ -334,7 +334,7 @@ def _reduce_scatter(part: FlatPartition, grad_leaves: list[torch.Tensor],
         g = g.detach()
         copied = False
         if reduce_dtype is not None and g.dtype != reduce_dtype or not g.is_contiguous():
-            g = g.to(dtype=reduce_dtype or g.dtype, memory_format=torch.contiguous_format)
+            g = g.to(dtype=reduce_dtype or g.dtype).contiguous()  # .to alone may alias
             copied = True
         flats.append(g.view(-1))
         ours.append(copied)
@@ -452,8 +452,7 @@ class _ZeroOverlap(GradHooks):
         else a copy (another dtype or layout; pre-divided for fp16/bf16; weighted)."""
         out = grad.detach()
         if self.reduce_dtype not in (None, out.dtype) or not out.is_contiguous():
-            out = out.to(dtype=self.reduce_dtype or out.dtype,
-                         memory_format=torch.contiguous_format)
+            out = out.to(dtype=self.reduce_dtype or out.dtype).contiguous()  # may alias
         if self.ax.size > 1:
             if self.share is not None:
                 self.divide[i] = None
