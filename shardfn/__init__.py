@@ -47,6 +47,7 @@ from shardfn.transforms import (
     skip_nonfinite,
     split_batch,
     static_loss_scale,
+    sync_batch_norm,
     with_precision,
 )
 from shardfn.transforms.remat import Offload, checkpoint_name, checkpoint_policies, remat
@@ -108,6 +109,7 @@ __all__ = [
     "skip_nonfinite",
     "split_batch",
     "static_loss_scale",
+    "sync_batch_norm",
     "with_precision",
     "spec_axes",
     "testing",

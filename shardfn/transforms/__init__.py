@@ -13,6 +13,7 @@ from shardfn.transforms.loss_scale import (
 from shardfn.transforms.precision import Precision, cast_floating, with_precision
 from shardfn.transforms.shard_opt_state import ShardedOptimizer, ShardedOptState, shard_opt_state
 from shardfn.transforms.shard_params import OffloadPolicy, ShardedModel, shard_params
+from shardfn.transforms.sync_batch_norm import SyncBatchNorm, sync_batch_norm
 
 __all__ = [
     "DataParallel",
@@ -23,6 +24,7 @@ __all__ = [
     "ShardedOptState",
     "ShardedModel",
     "ShardedOptimizer",
+    "SyncBatchNorm",
     "accumulate_grads",
     "all_finite",
     "cast_floating",
@@ -33,5 +35,6 @@ __all__ = [
     "skip_nonfinite",
     "split_batch",
     "static_loss_scale",
+    "sync_batch_norm",
     "with_precision",
 ]
