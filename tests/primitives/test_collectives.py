@@ -263,3 +263,242 @@ def test_mesh_context_and_single_process():
         assert sf.axis_index("tp") == 0 and sf.axis_size(("dp", "tp")) == 1
     with pytest.raises(ValueError, match="no mesh"):
         sf.psum(x, "dp")
+
+
+def test_zero_dim_and_zero_size_leaves(worlds):
+    """0-dim leaves: a clear error where there is no dim to split or join (all_gather tiled,
+    psum_scatter, all_to_all), a stack for all_gather(tiled=False); zero-size all_to_all keeps
+    the right shape (it used to return the input's)."""
+
+    def on_rank():
+        import torch.distributed as dist
+
+        import shardfn as sf
+
+        rank = dist.get_rank()
+        mesh = sf.Mesh({"x": 2})
+        scalar = torch.tensor(float(rank + 1))
+        errors = []
+        for call in (
+            lambda: sf.all_gather({"s": scalar}, "x", mesh=mesh),
+            lambda: sf.psum_scatter({"s": scalar}, "x", mesh=mesh),
+            lambda: sf.all_to_all({"s": scalar}, "x", 0, 0, mesh=mesh),
+            lambda: sf.all_gather({"s": scalar}, "x", dim=1, tiled=False, mesh=mesh),
+        ):
+            try:
+                call()
+                errors.append(None)
+            except ValueError as err:
+                errors.append(str(err))
+        stacked = sf.all_gather(scalar, "x", tiled=False, mesh=mesh)
+        stacked_grad = torch.func.grad(
+            lambda s: (sf.all_gather(s, "x", tiled=False, mesh=mesh) * torch.tensor([1., 2.])).sum()
+        )(scalar)
+        scalar_ops = [sf.psum(scalar, "x", mesh=mesh), sf.pmean(scalar, "x", mesh=mesh),
+                      sf.ppermute(scalar, "x", [(0, 1)], mesh=mesh),
+                      sf.broadcast(scalar, "x", src=1, mesh=mesh)]
+        shapes = [tuple(sf.all_to_all(torch.zeros(shape), "x", s, c, mesh=mesh).shape)
+                  for shape, s, c in [((0, 3), 0, 1), ((2, 0), 1, 0), ((2, 0), 0, 1),
+                                      ((0, 4), 1, 1), ((0,), 0, 0)]]
+        gathered = [tuple(sf.all_gather(torch.zeros(0, 3), "x", dim=d, mesh=mesh).shape)
+                    for d in (0, 1)]
+        return errors, stacked, stacked_grad, scalar_ops, shapes, gathered
+
+    for rank, (errors, stacked, grad, scalar_ops, shapes, gathered) in enumerate(
+            worlds(2).run(on_rank)):
+        assert "all_gather over axis 'x': leaf 's' is a 0-dim tensor" in errors[0]
+        assert "tiled=False" in errors[0]
+        assert "psum_scatter over axis 'x': leaf 's' is a 0-dim tensor" in errors[1]
+        assert "all_to_all over axis 'x': leaf 's' is a 0-dim tensor" in errors[2]
+        assert "dim 1 is out of range" in errors[3] and "valid: -1..0" in errors[3]
+        assert_close(stacked, torch.tensor([1.0, 2.0]))
+        assert_close(grad, torch.tensor(2.0 * (rank + 1)))  # psum_scatter of [1, 2]: own entry x2
+        assert_close(scalar_ops, [torch.tensor(3.0), torch.tensor(1.5),
+                                  torch.tensor(1.0 if rank == 1 else 0.0), torch.tensor(2.0)])
+        assert shapes == [(0, 6), (4, 0), (1, 0), (0, 4), (0,)]
+        assert gathered == [(0, 3), (0, 6)]
+
+
+def test_complex_leaves_forward_and_vjp(worlds):
+    """Complex tensors work in every collective (gloo's all_to_all has no complex type: sent
+    as the real view); forward and vjp equal the reference."""
+    ops = {
+        "psum": ({}, lambda xs, g: ref.ref_psum(xs, g)),
+        "pmean": ({}, lambda xs, g: [y / 2 for y in ref.ref_psum(xs, g)]),
+        "all_gather": ({"dim": 1}, lambda xs, g: ref.ref_all_gather(xs, g, 1)),
+        "psum_scatter": ({"dim": 0}, lambda xs, g: ref.ref_psum_scatter(xs, g, 0)),
+        "all_to_all": ({"split_dim": 0, "concat_dim": 1},
+                       lambda xs, g: ref.ref_all_to_all(xs, g, 0, 1)),
+        "ppermute": ({"perm": [(0, 1), (1, 0)]}, lambda xs, g: ref.ref_ppermute(xs, g,
+                                                                               [(0, 1), (1, 0)])),
+        "broadcast": ({"src": 1}, lambda xs, g: ref.ref_broadcast(xs, g, 1)),
+    }
+    gen = torch.Generator().manual_seed(0)
+    groups = ref.axis_groups({"x": 2}, "x")
+    xs = [torch.randn(4, 3, dtype=torch.complex64, generator=gen) for _ in range(2)]
+    cases = {}
+    for op, (kwargs, forward) in ops.items():
+        leaves = [x.clone().requires_grad_() for x in xs]
+        outs = forward(leaves, groups)
+        cots = [torch.randn(o.shape, dtype=torch.complex64, generator=gen) for o in outs]
+        grads = torch.autograd.grad(outs, leaves, cots, allow_unused=True)
+        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads, strict=True)]
+        cases[op] = (kwargs, cots, [o.detach() for o in outs], grads)
+
+    def on_rank(xs, cases):
+        import torch.distributed as dist
+
+        import shardfn as sf
+
+        rank = dist.get_rank()
+        mesh = sf.Mesh({"x": 2})
+        out = {}
+        for op, (kwargs, cots, _, _) in cases.items():
+            y, vjp_fn = torch.func.vjp(lambda x, op=op, kw=kwargs: getattr(sf, op)(
+                x, "x", mesh=mesh, **kw), xs[rank])
+            out[op] = (y, vjp_fn(cots[rank])[0])
+        return out
+
+    for rank, out in enumerate(worlds(2).run(on_rank, xs, cases)):
+        for op, (y, g) in out.items():
+            assert y.dtype == torch.complex64, op
+            assert_close(y, cases[op][2][rank], msg=lambda m, o=op: f"{o} forward: {m}")
+            assert_close(g, cases[op][3][rank], msg=lambda m, o=op: f"{o} vjp: {m}")
+
+
+def test_integer_and_bool_leaves(worlds):
+    """Integers sum in their dtype; bools are counted (int64, like torch.sum); a mean of
+    integers is a TypeError naming the leaf; copies keep the dtype."""
+
+    def on_rank():
+        import torch.distributed as dist
+
+        import shardfn as sf
+
+        rank = dist.get_rank()
+        mesh = sf.Mesh({"x": 2})
+        ints = torch.tensor([1, 2, 3, 4], dtype=torch.int32) * (rank + 1)
+        flags = torch.tensor([True, False, True, rank == 1])
+        out = {
+            "psum int32": sf.psum(ints, "x", mesh=mesh),
+            "psum bool": sf.psum(flags, "x", mesh=mesh),
+            "psum bool, axis of 1": sf.psum(flags, "one", mesh=sf.Mesh({"x": 2, "one": 1})),
+            "psum_scatter bool": sf.psum_scatter(flags, "x", mesh=mesh),
+            "psum_invariant int64": sf.psum_invariant(ints.long(), "x", mesh=mesh),
+            "all_gather bool": sf.all_gather(flags, "x", mesh=mesh),
+            "all_to_all int32": sf.all_to_all(ints, "x", 0, 0, mesh=mesh),
+            "ppermute bool": sf.ppermute(flags, "x", [(1, 0)], mesh=mesh),
+            "broadcast int32": sf.broadcast(ints, "x", src=1, mesh=mesh),
+        }
+        errors = []
+        for fn in (sf.pmean, sf.pmean_invariant):
+            for leaf in (ints, flags):
+                try:
+                    fn({"n": leaf}, "x", mesh=mesh)
+                    errors.append(None)
+                except TypeError as err:
+                    errors.append(str(err))
+        return out, errors
+
+    (out0, errors), (out1, _) = worlds(2).run(on_rank)
+    ints = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    assert torch.equal(out0["psum int32"], 3 * ints)
+    assert torch.equal(out0["psum bool"], torch.tensor([2, 0, 2, 1]))
+    assert torch.equal(out0["psum bool, axis of 1"], torch.tensor([1, 0, 1, 0]))  # same dtype
+    assert torch.equal(out0["psum_scatter bool"], torch.tensor([2, 0]))
+    assert torch.equal(out1["psum_scatter bool"], torch.tensor([2, 1]))
+    assert torch.equal(out0["psum_invariant int64"], 3 * ints.long())
+    assert torch.equal(out0["all_gather bool"], torch.tensor([True, False, True, False,
+                                                              True, False, True, True]))
+    assert torch.equal(out0["all_to_all int32"], torch.tensor([1, 2, 2, 4], dtype=torch.int32))
+    assert torch.equal(out0["ppermute bool"], torch.tensor([True, False, True, True]))
+    assert torch.equal(out1["ppermute bool"], torch.zeros(4, dtype=torch.bool))
+    assert torch.equal(out0["broadcast int32"], 2 * ints)
+    for err in errors:
+        assert err is not None and "leaf 'n'" in err and "Cast it first" in err
+
+
+def test_check_mode_hook_once_per_call_after_validation(worlds):
+    """Every public collective calls consistency.check_call once per call (not per leaf), with
+    its static arguments, after validating, and not on an axis of one rank."""
+
+    def on_rank():
+        import shardfn as sf
+        from shardfn.primitives import consistency
+
+        calls = []
+        original = consistency.check_call
+        consistency.check_call = lambda op, ax, tree=None, **static: calls.append(
+            (op, ax.names, sorted(tree) if isinstance(tree, dict) else None, static))
+        mesh = sf.Mesh({"x": 2, "one": 1})
+        tree = {"a": torch.ones(2, 4), "b": torch.ones(2, 2)}
+        try:
+            for op, kwargs in [("psum", {}), ("pmean", {}), ("psum_invariant", {}),
+                               ("pmean_invariant", {}), ("pvary", {}),
+                               ("all_gather", {"dim": 1, "tiled": False}),
+                               ("psum_scatter", {"dim": 0, "tiled": True}),
+                               ("all_to_all", {"split_dim": 0, "concat_dim": 1}),
+                               ("ppermute", {"perm": [(0, 1)]}), ("broadcast", {"src": 1})]:
+                getattr(sf, op)(tree, "x", mesh=mesh, **kwargs)
+                getattr(sf, op)(tree, "one", mesh=mesh, **({"perm": [(0, 0)]} if op == "ppermute"
+                                                            else {"src": 0} if op == "broadcast"
+                                                            else kwargs))
+            # backward collectives are not public calls: no hook
+            torch.func.grad(lambda x: sf.all_gather(x, "x", mesh=mesh).sum())(torch.ones(2))
+            for bad in (lambda: sf.psum_scatter(tree, "x", dim=5, mesh=mesh),
+                        lambda: sf.all_to_all({"a": torch.ones(3)}, "x", 0, 0, mesh=mesh),
+                        lambda: sf.ppermute(tree, "x", [(0, 2)], mesh=mesh),
+                        lambda: sf.pmean({"a": torch.ones(2, dtype=torch.int64)}, "x",
+                                         mesh=mesh)):
+                try:
+                    bad()
+                except (ValueError, TypeError):
+                    pass
+        finally:
+            consistency.check_call = original
+        return calls
+
+    calls = worlds(2).run(on_rank)[0]
+    assert [c[0] for c in calls] == ["psum", "pmean", "psum_invariant", "pmean_invariant",
+                                     "pvary", "all_gather", "psum_scatter", "all_to_all",
+                                     "ppermute", "broadcast", "all_gather"]
+    assert all(c[1] == ("x",) and c[2] == ["a", "b"] for c in calls[:-1])
+    assert calls[5][3] == {"dim": 1, "tiled": False}
+    assert calls[6][3] == {"dim": 0, "tiled": True}
+    assert calls[7][3] == {"split_dim": 0, "concat_dim": 1}
+    assert calls[8][3] == {"perm": ((0, 1),)}
+    assert calls[9][3] == {"src": 1}
+
+
+def test_bad_static_arguments_are_refused_locally(worlds):
+    """What one rank can see is wrong is refused there, before anything is sent."""
+
+    def on_rank():
+        import shardfn as sf
+
+        mesh = sf.Mesh({"x": 2})
+        errors = []
+        for call in (
+            lambda: sf.ppermute(torch.ones(2), "x", [(0, 1, 2)], mesh=mesh),
+            lambda: sf.ppermute(torch.ones(2), "x", [(0.0, 1)], mesh=mesh),
+            lambda: sf.ppermute(torch.ones(2), "x", [(0, -1)], mesh=mesh),
+            lambda: sf.broadcast(torch.ones(2), "x", src=1.0, mesh=mesh),
+            lambda: sf.broadcast(torch.ones(2), "x", src=2, mesh=mesh),
+            lambda: sf.all_gather(torch.ones(2), "x", dim=True, mesh=mesh),
+            lambda: sf.psum_scatter(torch.ones(3, 2), "x", dim=0, tiled=False, mesh=mesh),
+        ):
+            try:
+                call()
+                errors.append(None)
+            except (ValueError, TypeError) as err:
+                errors.append(f"{type(err).__name__}: {err}")
+        return errors
+
+    errors = worlds(2).run(on_rank)[0]
+    assert errors[0].startswith("TypeError") and "(src, dst) pairs" in errors[0]
+    assert errors[1].startswith("TypeError") and "(src, dst) pairs" in errors[1]
+    assert errors[2].startswith("ValueError") and "index -1" in errors[2]
+    assert errors[3].startswith("TypeError") and "src must be an int" in errors[3]
+    assert errors[4].startswith("ValueError") and "valid: 0..1" in errors[4]
+    assert errors[5].startswith("TypeError") and "dim must be an int" in errors[5]
+    assert errors[6].startswith("ValueError") and "needs dim 0 of size 2" in errors[6]
