@@ -476,3 +476,51 @@ def test_tcp_store_wait_path():
     peer.set("k0", "late")  # the client is still in step with the server after the timeout
     assert store.check(["k0"]) and store.get("k0") == b"late"
     assert consistency._wait_keys(store, ["k0", "k1"], 5.0)
+
+
+_TORCHRUN_LIKE = """
+import json, sys, torch, torch.distributed as dist
+import shardfn as sf
+from shardfn.primitives import consistency as c
+from shardfn.primitives._comm import resolve
+dist.init_process_group("gloo")  # env://: a TCPStore, as under torchrun
+ax = resolve("x", sf.Mesh({"x": dist.get_world_size()}))
+c.check_consistency(True, timeout=5.0)
+c.check_call("psum", ax, torch.ones(3))
+try:
+    c.check_call("psum", ax, torch.ones(3 + dist.get_rank()))
+    out = "no error"
+except c.ConsistencyError as error:
+    out = str(error)
+store = c._default_store()
+while isinstance(store, dist.PrefixStore):
+    store = store.underlying_store
+print(json.dumps([type(store).__name__, out]))
+dist.destroy_process_group()
+"""
+
+
+def test_tcp_store_world_like_torchrun(tmp_path):
+    """Two processes joined over env:// (TCPStore, the store NCCL jobs have): same checks."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-c", _TORCHRUN_LIKE], env=env, cwd=root,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    assert [store for store, _ in outs] == ["TCPStore", "TCPStore"]
+    assert outs[0][1] == outs[1][1]
+    assert "disagree at collective #2" in outs[0][1]
+    assert "rank 1: psum(float32[4])" in outs[0][1]
