@@ -104,6 +104,17 @@ def _seconds(name: str, value: Any, *, none_ok: bool = False, zero_ok: bool = Fa
     return value
 
 
+_CRASH_NOISE = ("/multiprocessing/", "/threading.py", 'File "<string>"', "Extension modules:",
+                os.sep + "_worker.py")
+
+
+def _crash_stacks(text: str) -> str:
+    """faulthandler's report without the watchdog thread and the spawn/loop frames."""
+    blocks = [block for block in text.strip().split("\n\n") if " in _watchdog" not in block]
+    return "\n".join(line for line in "\n\n".join(blocks).splitlines()
+                     if not any(noise in line for noise in _CRASH_NOISE))
+
+
 def _dead_report(rank: int, exitcode: int | None, stderr: str, crash: str) -> str:
     """How a dead rank is described: its exit, its stderr tail, faulthandler's stacks."""
     text = f"rank {rank} is dead ({_exit_text(exitcode)})"
@@ -111,7 +122,8 @@ def _dead_report(rank: int, exitcode: int | None, stderr: str, crash: str) -> st
         text += f"; last lines of its stderr:\n{_indent(stderr)}"
     else:
         text += "; its stderr is empty"
-    if crash.strip():
+    crash = _crash_stacks(crash)
+    if crash:
         text += f"\n  its Python stacks when it crashed (faulthandler):\n{_indent(crash)}"
     return text
 

@@ -180,6 +180,20 @@ def test_sigabrt_reports_signal_and_stderr_tail(fragile, capsys):
     assert fragile.run(_psum_of_ranks) == [3.0, 3.0]
 
 
+def test_gloo_size_mismatch_abort_is_reported_with_gloo_message(fragile):
+    def mismatched():
+        dist.all_reduce(torch.ones(2 if dist.get_rank() == 0 else 3000))  # not via check mode
+
+    with pytest.raises(WorldTimeout) as info:
+        fragile.run(mismatched)
+    message = str(info.value)
+    assert re.search(r"rank \d is dead \(killed by signal SIGABRT\); last lines of its stderr",
+                     message)
+    assert "Received data size doesn't match" in message  # gloo's words, from the stderr tail
+    assert "in mismatched" in message  # faulthandler's stack of the dead rank
+    assert fragile.run(_psum_of_ranks) == [3.0, 3.0]
+
+
 # --- hangs versus slow runs -------------------------------------------------------------
 
 
