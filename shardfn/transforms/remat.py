@@ -240,6 +240,11 @@ def _replayable(func, args, kwargs, outs: list) -> bool:
     return not any(_storage_ptr(o) in inputs for o in outs)
 
 
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.shape == b.shape and a.stride() == b.stride()
+                      and a.storage_offset() == b.storage_offset() and a.dtype == b.dtype)
+
+
 def _storage_ptr(t: torch.Tensor) -> int:
     try:
         return t.untyped_storage().data_ptr()
@@ -381,9 +386,12 @@ class _Recorder(TorchDispatchMode):
 
     def _keep_before_write(self, written: torch.Tensor, func) -> None:
         ptr = _storage_ptr(written)
-        for index, t in enumerate(self.inputs):
-            if index in self.mutated or _storage_ptr(_base(t)) != ptr:
+        sharing = [i for i, t in enumerate(self.inputs) if _storage_ptr(_base(t)) == ptr]
+        exact = [i for i in sharing if _same_view(_base(self.inputs[i]), written)]
+        for index in exact or sharing:  # (a view of an input: every input on that storage)
+            if index in self.mutated:
                 continue
+            t = self.inputs[index]
             if t.requires_grad:
                 raise ValueError(
                     f"remat: the function updates in place ({func}) its argument of shape "
@@ -517,8 +525,9 @@ class _Call:
 
 def _check_writes_seen(tensors, versions, mutated) -> None:
     """Refuse an argument changed in place by an op that remat could not see coming."""
+    kept = {_storage_ptr(_base(tensors[i])) for i in mutated}  # views share a version counter
     for index, (t, version) in enumerate(zip(tensors, versions, strict=True)):
-        if t._version != version and index not in mutated:
+        if t._version != version and index not in mutated and _storage_ptr(_base(t)) not in kept:
             raise ValueError(
                 f"remat: the function changed its tensor argument {index} (shape "
                 f"{tuple(t.shape)}, {t.dtype}) in place with an op that does not declare the "

@@ -638,3 +638,20 @@ def test_float_argument_updated_in_place_under_torch_func_grad():
     m, x = torch.randn(4), torch.randn(4)
     assert_close(torch.func.grad(outer(remat(f)), argnums=(0, 1))(m, x),
                  torch.func.grad(outer(f), argnums=(0, 1))(m, x))
+
+
+def test_in_place_update_of_one_view_of_a_shared_storage():
+    flat = torch.arange(6.0)
+    p = {"a": flat[:3], "b": flat[3:], "w": torch.randn(3)}  # one storage, as flat buffers
+
+    def f(p, x):
+        p["a"].mul_(2)
+        return (x * p["w"] * p["a"] + p["b"]).sum()
+
+    ref_flat = torch.arange(6.0)
+    ref = torch.func.grad(f, argnums=(1,))({"a": ref_flat[:3], "b": ref_flat[3:], "w": p["w"]},
+                                           torch.ones(3))
+    got = torch.func.grad(remat(f), argnums=(1,))(p, torch.ones(3))
+    assert_close(got, ref)
+    assert_close(flat, ref_flat)  # updated once
+
