@@ -31,6 +31,13 @@ Under ``torch.func.grad``/``vjp`` (which differentiate with create_graph=True)
 the backward detaches its recomputation from the outer graph, so recomputed
 values are freed block by block; when an outer transform or create_graph=True
 may differentiate again it keeps the graph, and grad of grad is exact.
+Autocast: the recomputation replays the autocast state ``fn`` was called under
+(:mod:`shardfn.primitives.autocast_state`), whatever state the backward runs in;
+autocast's casts are not counted for replay (its weight cache skips some), and
+its cached casts of arguments are not closures.
+Arguments ``fn`` updates in place (BatchNorm's running stats, ``num_batches_tracked``)
+are updated once, by the forward; the recomputation starts from a copy of their
+value before it and updates a fresh clone.
 Limits: ``fn`` must be a pure function of its arguments: tensors it reads from
 a closure get no gradient (under plain autograd a closed-over tensor that
 requires grad raises). Forward-mode AD (jvp, hessian) calls ``fn`` directly.
