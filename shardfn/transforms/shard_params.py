@@ -205,6 +205,7 @@ class ShardedModel:
             full = self.functional.init_subset(seed, paths, device=device)
             consistency.check_replicated("shard_params.init", self._all_ax, full)
             out.update(self._shard_leaves(full))
+            del full  # one unit's full leaves alive at a time
         return {name: out[name] for name in self.names}
 
     def shard(self, full_params: Mapping[str, torch.Tensor]) -> Params:
