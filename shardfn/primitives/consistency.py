@@ -298,7 +298,7 @@ def _first_difference(a: dict, b: dict) -> str:
         return f"the tree structure ({a['tree']} vs {b['tree']})"
     for (name, da), (_, db) in zip(a["leaves"], b["leaves"], strict=True):
         if da != db:
-            return f"leaf {name!r} ({da} vs {db})"
+            return f"{'the tensor' if name == '<root>' else f'leaf {name!r}'} ({da} vs {db})"
     for key in sorted(set(a["static"]) | set(b["static"])):
         if a["static"].get(key) != b["static"].get(key):
             return f"argument {key}= ({a['static'].get(key)} vs {b['static'].get(key)})"

@@ -98,7 +98,8 @@ def test_dtype_mismatch_raises_on_every_rank(worlds, n):
         worlds(n).run(_checked, _dtype_mismatch),
         "ranks of axis 'x'", "disagree at collective #2",
         "rank 0: psum(float32[4, 3]) at ", f"rank {n - 1}: psum(int32[4, 3]) at ",
-        "test_consistency.py:", "in _dtype_mismatch", "leaf '<root>' (float32[4, 3] vs int32",
+        "test_consistency.py:", "in _dtype_mismatch",
+        "in the tensor (float32[4, 3] vs int32[4, 3])",
     )
     assert message.count("\n  rank ") == n  # one line per rank
 
@@ -524,3 +525,35 @@ def test_tcp_store_world_like_torchrun(tmp_path):
     assert outs[0][1] == outs[1][1]
     assert "disagree at collective #2" in outs[0][1]
     assert "rank 1: psum(float32[4])" in outs[0][1]
+
+
+def _real_psum_mismatch(rank, ax):
+    import shardfn as sf
+
+    mesh = sf.Mesh({"x": 2})
+    x = torch.ones(4, 3, dtype=torch.int32 if rank else torch.float32)
+    out = sf.psum(x, "x", mesh=mesh)  # unchecked: 1065353216 (f32 1.0's bits read as int32)
+    return out.tolist()
+
+
+def test_the_issue_case_psum_f32_vs_i32(worlds):
+    """The issue's case through the real collective: the message points at the user's line."""
+    message = _same_error_everywhere(worlds(2).run(_checked, _real_psum_mismatch),
+                                     "rank 0: psum(float32[4, 3]) at ",
+                                     "rank 1: psum(int32[4, 3]) at ")
+    assert "test_consistency.py:" in message and "in _real_psum_mismatch" in message
+
+
+def _real_psum_backward_site(rank, ax):
+    import shardfn as sf
+
+    mesh = sf.Mesh({"x": 2})
+
+    def loss(x):
+        return (sf.psum(x, "x", mesh=mesh) * (1.0 + rank)).sum()
+
+    return torch.func.grad(loss)(torch.ones(3)).tolist()  # psum's backward is checked too
+
+
+def test_real_psum_under_grad_passes(worlds):
+    assert worlds(2).run(_checked, _real_psum_backward_site) == [("ok", [3.0] * 3)] * 2
