@@ -327,6 +327,7 @@ def main(
     in_flight = _optional("shardfn.primitives.stats", "in_flight")
     reset_state = _optional("shardfn.mesh", "reset_state")
     set_check = _optional("shardfn.primitives.consistency", "check_consistency")
+    reset_check = _optional("shardfn.primitives.consistency", "reset")  # call numbers per run
     failures = _optional("shardfn.primitives.stats", "collective_failures") or (lambda: 0)
     counters = [c for c in (_optional("shardfn.primitives.stats", "progress"),) if c]
     counters.append(lambda: _group_sequence(dist))
@@ -371,6 +372,8 @@ def main(
                 reset_state()
             if set_check is not None:
                 set_check(check)
+            if reset_check is not None:
+                reset_check()
             payload = cloudpickle.dumps(reply)
         except BaseException:
             payload = cloudpickle.dumps((request_id, "err", traceback.format_exc(), False))

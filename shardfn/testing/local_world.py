@@ -40,7 +40,7 @@ from shardfn.testing import _worker
 _STARTUP_MIN_S = 60.0  # spawning N torch processes on a busy 2-core machine takes seconds
 _STACK_WAIT_S = 2.0  # how long to wait for the watchdogs' stack reports
 _PG_TIMEOUT_MARGIN_S = 10.0  # the gloo group's timeout is the world's timeout + this
-_CHECK_OFF = ("0", "false", "no", "off")
+_CHECK_OFF = ("", "0", "false", "no", "off")  # as shardfn.primitives.consistency reads it
 
 
 class RankError(RuntimeError):

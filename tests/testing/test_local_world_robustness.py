@@ -311,6 +311,9 @@ def test_check_mode_is_on_in_workers_and_restored_after_runs(worlds):
     assert worlds(2).run(consistency.enabled) == [True, True]
     assert worlds(2).run(turn_off) == [False, False]
     assert worlds(2).run(consistency.enabled) == [True, True]  # the world's setting again
+    # every rank restarts check mode's call numbering after every run
+    epochs = worlds(2).run(lambda: consistency._EPOCH[0])
+    assert worlds(2).run(lambda: consistency._EPOCH[0]) == [e + 1 for e in epochs]
 
 
 def test_check_mode_follows_environment_and_override(monkeypatch):
