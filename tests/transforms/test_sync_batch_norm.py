@@ -12,12 +12,14 @@ from torch.testing import assert_close
 import shardfn as sf
 from shardfn.transforms.sync_batch_norm import SyncBatchNorm, sync_batch_norm
 
-KINDS = {"1d": nn.BatchNorm1d, "1d_seq": nn.BatchNorm1d, "2d": nn.BatchNorm2d}
+KINDS = {"1d": nn.BatchNorm1d, "1d_seq": nn.BatchNorm1d, "2d": nn.BatchNorm2d,
+         "3d": nn.BatchNorm3d}
 CHANNELS = 3
 
 
 def example_shape(kind: str, n: int) -> tuple[int, ...]:
-    return {"1d": (n, CHANNELS), "1d_seq": (n, CHANNELS, 2), "2d": (n, CHANNELS, 2, 3)}[kind]
+    return {"1d": (n, CHANNELS), "1d_seq": (n, CHANNELS, 2), "2d": (n, CHANNELS, 2, 3),
+            "3d": (n, CHANNELS, 2, 1, 2)}[kind]
 
 
 def make_bn(kind: str, affine: bool, track: bool, momentum: float | None) -> nn.Module:
