@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -104,3 +105,57 @@ def torch_free_sgd():
     import shardfn as sf
 
     return sf.optim.sgd(0.1)
+
+
+def _composed(order: str, bad_rank: int, steps: int, overlap: bool):
+    """shard_opt_state and skip_nonfinite in either order, default ``finite``; an inf in one
+    rank's local gradient at step 1."""
+    import torch.distributed as dist
+
+    import shardfn as sf
+    from shardfn.transforms.loss_scale import skip_nonfinite
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    mesh = sf.Mesh({"dp": n})
+    params = {"w": torch.arange(10.0).reshape(5, 2) / 10, "b": torch.ones(3)}
+    inner = sf.optim.chain(sf.optim.clip_by_global_norm(1.0), sf.optim.adamw(0.1))
+    if order == "shard_outside":
+        opt = sf.shard_opt_state(skip_nonfinite(inner), mesh, "dp", bucket_bytes=16)
+    else:
+        opt = skip_nonfinite(sf.shard_opt_state(inner, mesh, "dp", bucket_bytes=16))
+    state = opt.init(params)
+    history = []
+    for step in range(steps):
+        grads = {k: torch.full_like(v, 0.1 * (rank + 1)) for k, v in params.items()}
+        if rank == bad_rank and step == 1:
+            grads["w"][0, 0] = float("inf")
+        if overlap and order == "shard_outside":
+            leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+            with opt.overlap(leaves) as sync:
+                sum((leaves[k] * grads[k]).sum() for k in leaves).backward()
+            grads = sync.grads()
+        before = [t.clone() for t in sf.pytree.tree_leaves((params, state))]
+        updates, state = opt.update(grads, state, params)
+        params = sf.optim.apply_updates(params, updates)
+        after = sf.pytree.tree_leaves((params, state))
+        counts = [t for t in after if t.dtype == torch.int64 and t.dim() == 0]
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True)
+                        if a.dtype != torch.int64)
+        history.append((unchanged, [int(c) for c in counts]))
+    return params, history
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("order, overlap", [("shard_outside", False), ("shard_outside", True),
+                                            ("skip_outside", False)])
+def test_skip_nonfinite_and_shard_opt_state_skip_together_in_either_order(
+        worlds, n, order, overlap):
+    """The rank with the inf and every other rank skip step 1 together (params, moments and
+    step counts unchanged everywhere); no partial step, no hang."""
+    bad_rank = n - 1
+    results = worlds(n).run(_composed, order, bad_rank, 3, overlap, timeout=60)
+    for rank, (params, history) in enumerate(results):
+        assert_close(params, results[0][0], msg=lambda m, r=rank: f"rank {r}: {m}")
+        assert [unchanged for unchanged, _ in history] == [False, True, False], (rank, history)
+        assert history == results[0][1], f"rank {rank} disagrees with rank 0"
+        assert all(torch.isfinite(p).all() for p in params.values())
