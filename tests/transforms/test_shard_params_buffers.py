@@ -219,3 +219,23 @@ def test_split_trainable_and_merge_on_shard_trees(worlds):
         assert "bn0.running_mean" in errors[1]
         assert "inp.weight" in errors[2] and "full shape" in errors[2]
         assert "full shape" in errors[3]
+
+
+def test_new_buffers_come_back_in_the_given_dtype_and_device():
+    """With ``precision`` (buffers computed in bf16) and ``offload`` the new buffers are in
+    the form the caller gave: float32 (int64 for the counter), on the storage device."""
+    fmodel = _fmodel()
+    x = _batches(1, True)[0]
+    _, ref_buffers = fmodel.apply_with_buffers(fmodel.init(0), x)
+    policy = sf.Precision(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    for options in (dict(precision=policy), dict(offload=True)):
+        model = shard_params(fmodel, sf.Mesh({"dp": 1}), "dp", units=BNBlock, **options)
+        shards = model.init(0)
+        out, buffers = model.apply(shards, x, mutable=True)
+        assert out.dtype == torch.float32
+        for name, ref in ref_buffers.items():
+            assert buffers[name].dtype == shards[name].dtype == ref.dtype, name
+            assert buffers[name].device == shards[name].device
+            # bf16 statistics: 8 mantissa bits (exact for the integer counter)
+            tol = dict(rtol=2e-2, atol=2e-2) if "precision" in options else {}
+            assert_close(buffers[name], ref, **tol)
