@@ -305,7 +305,8 @@ class LocalWorld:
             waiting[rank.cmd] = waiting[rank.process.sentinel] = index
         while waiting:
             now = monotonic()
-            stalled_at = max(self._last_progress) + stall if stall is not None else math.inf
+            unfinished = [self._last_progress[i] for i in range(self.size) if i not in replies]
+            stalled_at = max(unfinished) + stall if stall is not None else math.inf
             if now >= min(limit, stalled_at):
                 why = why if now >= limit else "stall"
                 break

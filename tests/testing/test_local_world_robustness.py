@@ -224,8 +224,16 @@ def test_heartbeat_and_plain_collectives_count_as_progress(worlds):
             dist.all_reduce(torch.ones(1))
         return "done"
 
+    def sequence_grows():  # what the watchdog counts for collectives outside shardfn
+        from shardfn.testing._worker import _group_sequence
+
+        before = _group_sequence(dist)
+        dist.all_reduce(torch.ones(1))
+        return _group_sequence(dist) - before
+
     assert worlds(1).run(sleeper, timeout=1.2) == ["done"]
     assert worlds(2).run(direct, timeout=1.2) == ["done", "done"]
+    assert worlds(2).run(sequence_grows) == [1, 1]
 
 
 def test_stuck_collective_is_killed_with_stack_and_collective(fragile):
