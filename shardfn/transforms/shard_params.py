@@ -41,8 +41,21 @@ the reduce-scatter by the number of data-parallel ranks, so a per-rank loss on
 the rank's micro-batch gives the gradient of the global mean loss. ``"sum"``
 is JAX's transpose rule (all_gather -> psum_scatter). With ``replicate_axis``
 (HSDP) the shard gradients are also summed over that axis (the mean divides by
-both sizes). Frozen parameters and buffers get no gradient (None; zeros under
-``torch.func``). Parameters tied across units belong to the root unit: they
+both sizes). In fp16/bf16 the gradients are divided before the sum and after it
+(FSDP2's ``divide_factors``), so a mean that fits the dtype does not overflow.
+"mean" is the mean of the per-rank gradients: the full-batch mean only for equal
+per-rank batches (check mode compares the batch shapes; ``"sum"`` with a loss
+divided by the global count weights unequal batches exactly). Only the leaves a
+gradient is asked for are reduced. Frozen parameters and buffers get no gradient
+(None; zeros under ``torch.func``).
+
+Dtypes and buffers: ``apply`` computes in the dtypes of the shards given (float64
+shards of a float32 module compute in float64) unless ``precision`` says otherwise.
+``apply(..., mutable=True)`` also returns every buffer as the forward left it
+(BatchNorm statistics of this rank's batch: buffers are per rank); a recompute does
+not update them again, and recomputes run under the forward's autocast state.
+
+Parameters tied across units belong to the root unit: they
 are gathered once with it, passed to the units as full tensors, and their
 gradient (the sum over all uses) is reduce-scattered once.
 
