@@ -140,6 +140,7 @@ _STATE_LOCK = threading.RLock()  # one check at a time per process: call numbers
 _SEQ: dict[tuple[int, ...], int] = {}  # group ranks -> checked calls made on that group
 _EPOCH = [0]
 _THREAD = threading.local()  # .suspended: checks skipped on this thread
+_HELPER_THREAD_PREFIX = "shardfn-"  # shardfn's own threads ("shardfn-p2p-poster") never check
 
 
 def enabled() -> bool:
@@ -210,6 +211,10 @@ def reset() -> None:
 def suspended() -> Iterator[None]:
     """Skip checks on this thread inside the block (for helper threads of the library).
 
+    Threads whose name starts with ``"shardfn-"`` (the library's own, such as the
+    point-to-point poster) skip checks without it: checks run on the thread of the
+    public call (or autograd's thread running its backward), in call order.
+
     Example:
         >>> with suspended():
         ...     check_call("psum", ax, x)   # not checked
@@ -227,6 +232,7 @@ def _active(ax: Axis) -> bool:
         _ENABLED
         and ax.size > 1
         and not getattr(_THREAD, "suspended", False)
+        and not threading.current_thread().name.startswith(_HELPER_THREAD_PREFIX)
         and dist.is_initialized()
         and not torch.compiler.is_compiling()
     )

@@ -409,6 +409,27 @@ def test_suspended_skips_checks_on_this_thread(worlds):
     assert worlds(2).run(_checked, _suspended_thread) == [("ok", 1)] * 2
 
 
+def _helper_thread(rank, ax):
+    import threading
+
+    errors = []
+
+    def helper():
+        try:  # a shardfn helper thread: skipped, though the ranks disagree
+            consistency.check_call("psum" if rank else "all_gather", ax, torch.ones(2))
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(repr(error))
+
+    thread = threading.Thread(target=helper, name="shardfn-test-helper")
+    thread.start()
+    thread.join()
+    return errors, consistency._SEQ.get(ax.ranks, 0)
+
+
+def test_shardfn_helper_threads_do_not_check(worlds):
+    assert worlds(2).run(_checked, _helper_thread) == [("ok", ([], 0))] * 2
+
+
 def test_one_rank_axis_and_no_process_group_are_free(worlds):
     from shardfn.primitives._comm import Axis
 
