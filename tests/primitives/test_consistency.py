@@ -17,6 +17,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardfn.primitives import consistency
 
@@ -578,3 +580,55 @@ def _real_psum_backward_site(rank, ax):
 
 def test_real_psum_under_grad_passes(worlds):
     assert worlds(2).run(_checked, _real_psum_backward_site) == [("ok", [3.0] * 3)] * 2
+
+
+# ---------------------------------------------------------------- property: raises iff ranks differ
+
+_DTYPES = [torch.float32, torch.int32, torch.float16, torch.bool]
+
+
+@st.composite
+def _rank_calls(draw):
+    """Per rank: (op, {name: (shape, dtype)}, static); often equal, sometimes one rank changed."""
+    n = draw(st.sampled_from([2, 3]))
+    leaf = st.tuples(st.lists(st.integers(0, 3), max_size=3).map(tuple), st.sampled_from(_DTYPES))
+    base = (draw(st.sampled_from(["psum", "all_gather"])),
+            draw(st.dictionaries(st.sampled_from(["a", "b", "c"]), leaf, min_size=1, max_size=3)),
+            {"dim": draw(st.integers(0, 2))})
+    calls = [base] * n
+    if draw(st.booleans()):
+        odd = draw(st.integers(0, n - 1))
+        op, tree, static = base
+        what = draw(st.sampled_from(["op", "leaf", "add", "static"]))
+        if what == "op":
+            op = "psum_scatter"
+        elif what == "leaf":
+            name = draw(st.sampled_from(sorted(tree)))
+            tree = {**tree, name: draw(leaf)}
+        elif what == "add":
+            tree = {**tree, "z": draw(leaf)}
+        else:
+            static = {"dim": static["dim"] + 1}
+        calls = calls[:odd] + [(op, tree, static)] + calls[odd + 1:]
+    return n, calls
+
+
+def _drawn_call(rank, ax, calls):
+    op, spec, static = calls[rank]
+    tree = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
+    consistency.check_call(op, ax, tree, **static)
+    return "passed"
+
+
+@settings(max_examples=12)
+@given(_rank_calls())
+def test_check_raises_exactly_when_ranks_differ(worlds, case):
+    n, calls = case
+    results = worlds(n).run(_checked, _drawn_call, calls)
+    differ = any(call != calls[0] for call in calls)
+    if not differ:
+        assert results == [("ok", "passed")] * n
+        return
+    message = _same_error_everywhere(results, "disagree at collective #1")
+    for rank, (op, _, _) in enumerate(calls):
+        assert f"rank {rank}: {op}(" in message
