@@ -246,7 +246,8 @@ def test_stuck_collective_is_killed_with_stack_and_collective(fragile):
     start = time.monotonic()
     with pytest.raises(WorldTimeout) as info:
         fragile.run(fn, timeout=1)
-    assert time.monotonic() - start < PG_TIMEOUT_S  # before gloo's own timeout
+    # a WorldTimeout, not gloo's own timeout (a RankError from rank 0 after PG_TIMEOUT_S)
+    assert time.monotonic() - start < 10
     message = str(info.value)
     assert "no progress on any of them for the run timeout of 1s" in message
     # the collective named (in check mode: its fingerprint exchange over the axis) and the stack
