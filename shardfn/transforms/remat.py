@@ -562,9 +562,11 @@ class _RematFunction(torch.autograd.Function):
         call: _Call = inputs[0]
         ctx.call = call
         # an argument fn updated in place (num_batches_tracked += 1) is rebuilt from its
-        # value before the forward; integer ones are never differentiated: not kept twice
+        # value before the forward; unless differentiated it is not kept a second time (so
+        # the caller may update it again before this backward, as plain BatchNorm allows)
         ctx.save_for_backward(*(
-            None if i in call.mutated and not _differentiable(t) else t
+            None if i in call.mutated and not (ctx.needs_input_grad[i + 1] and _differentiable(t))
+            else t
             for i, t in enumerate(inputs[1:])))
         constant = [o for o in output if not _differentiable(o)]
         if constant:
