@@ -387,6 +387,21 @@ def test_off_mode_does_nothing(worlds):
     assert worlds(2).run(_checked, _off_mode, enable=False) == [("ok", [])] * 2
 
 
+def _old_keys_deleted(rank, ax):
+    from torch.distributed import distributed_c10d
+
+    for _ in range(5):
+        consistency.check_call("psum", ax, torch.ones(2))
+    store = distributed_c10d._get_default_store()
+    prefix = f"sfcheck/{consistency._EPOCH[0]}/0,1"
+    return [store.check([f"{prefix}/{seq}/{rank}"]) for seq in range(5)]
+
+
+def test_each_rank_deletes_its_old_keys(worlds):
+    # call 4's key stays until call 5 is read by this rank; the others are gone
+    assert worlds(2).run(_checked, _old_keys_deleted) == [("ok", [False] * 4 + [True])] * 2
+
+
 def _no_comm_stats(rank, ax):
     import shardfn as sf
 
