@@ -40,11 +40,11 @@ def _x(n: int) -> torch.Tensor:
     return torch.randn(2 * n, 5, generator=torch.Generator().manual_seed(4))
 
 
-WANTED = {
-    "the last bias": ["3.bias"],
-    "one unit": ["2.ln.weight", "2.ln.bias", "2.up.weight", "2.up.bias", "2.down.weight",
-                 "2.down.bias"],
-    "a unit's weight and the root's bias": ["1.up.weight", "3.bias"],
+WANTED = {  # the leaves differentiated, and how many units (of root, 1, 2) reduce
+    "the last bias": (["3.bias"], 1),
+    "one unit": (["2.ln.weight", "2.ln.bias", "2.up.weight", "2.up.bias", "2.down.weight",
+                  "2.down.bias"], 1),
+    "a unit's weight and the root's bias": (["1.up.weight", "3.bias"], 2),
 }
 
 
@@ -79,7 +79,8 @@ def _comm_on_rank(n: int, wanted: list[str], how: str, remat: bool):
     stats = sf.comm_stats()
     full = sf.gather({**rest, **grads}, model.specs, mesh)
     return ({k: full[k] for k in grads}, stats.op_bytes("psum_scatter"),
-            stats.op_bytes("all_gather"), stats.op_calls("psum"))
+            stats.op_bytes("all_gather"), stats.op_calls("psum"),
+            stats.op_calls("psum_scatter"))
 
 
 @pytest.mark.parametrize("what", list(WANTED))
@@ -87,7 +88,7 @@ def _comm_on_rank(n: int, wanted: list[str], how: str, remat: bool):
                                             ("func", True)])
 @pytest.mark.parametrize("n", [2, 3])
 def test_only_wanted_gradients_are_reduced(worlds, what, how, remat, n):
-    wanted = WANTED[what]
+    wanted, reducing_units = WANTED[what]
     fmodel = sf.functional(_net())
     params = fmodel.init(0)
     shapes = {k: tuple(v.shape) for k, v in params.items()}
@@ -98,9 +99,10 @@ def test_only_wanted_gradients_are_reduced(worlds, what, how, remat, n):
     expected_scatter = sum(padded(shapes[k]) * (n - 1) for k in wanted)
     # the all-gathers are those of every leaf (frozen ones too), forward and backward
     expected_gather = 2 * sum(padded(s) * (n - 1) for k, s in shapes.items() if len(s))
-    for grads, scatter_bytes, gather_bytes, psums in worlds(n).run(_comm_on_rank, n, wanted,
-                                                                   how, remat):
+    for grads, scatter_bytes, gather_bytes, psums, scatters in worlds(n).run(
+            _comm_on_rank, n, wanted, how, remat):
         assert scatter_bytes == expected_scatter, (scatter_bytes, expected_scatter)
+        assert scatters == reducing_units  # a unit with nothing wanted issues no reduction
         assert gather_bytes == expected_gather
         assert psums == 0
         for name in wanted:
@@ -157,6 +159,38 @@ def test_init_shard_and_apply_call_the_consistency_checks(monkeypatch):
     assert tree[0][0] is x  # (args, kwargs)
 
 
+def _check_mode_on_rank(what: str):
+    import torch.distributed as dist
+
+    import shardfn as sf
+
+    rank = dist.get_rank()
+    fmodel = sf.functional(_net())
+    model = shard_params(fmodel, sf.Mesh({"dp": 2}), "dp", units=Block)
+    previous = sf.check_consistency()
+    sf.check_consistency(True)
+    try:
+        if what == "init seed":
+            model.init(rank)  # a different seed per rank
+        elif what == "shard values":
+            model.shard(fmodel.init(rank))
+        else:  # unequal per-rank batch shapes
+            model.apply(model.init(0), _x(2)[:rank + 1])
+    except sf.ConsistencyError as error:
+        return str(error)
+    finally:
+        sf.check_consistency(previous)
+    return None
+
+
+@pytest.mark.parametrize(("what", "op"), [("init seed", "shard_params.init"),
+                                          ("shard values", "shard_params.shard"),
+                                          ("batch shapes", "shard_params.apply")])
+def test_check_mode_catches_rank_mismatches(worlds, what, op):
+    for message in worlds(2).run(_check_mode_on_rank, what):
+        assert message is not None and op in message, message
+
+
 # ---------------------------------------------------------------- unequal batches
 
 
@@ -176,7 +210,12 @@ def _unequal_on_rank(sizes: list[int], grad_reduce: str):
         loss_fn = lambda p: model.apply(p, x).square().sum(-1).sum() / total  # noqa: E731
     else:  # the usual per-rank mean
         loss_fn = lambda p: model.apply(p, x).square().sum(-1).mean()  # noqa: E731
-    grads = torch.func.grad(loss_fn)(shards)
+    previous = sf.check_consistency()
+    sf.check_consistency(False)  # check mode (on in the test world) refuses unequal shapes
+    try:
+        grads = torch.func.grad(loss_fn)(shards)
+    finally:
+        sf.check_consistency(previous)
     return sf.gather(grads, model.specs, mesh)
 
 
