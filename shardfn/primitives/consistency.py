@@ -247,13 +247,26 @@ _REPR_LIMIT = 200
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
+_SHOWN: dict[str, str | None] = {}  # code file name -> as shown, or None for shardfn/torch
+
+
+def _shown_file(filename: str) -> str | None:
+    if filename not in _SHOWN:
+        name = os.path.abspath(filename)
+        if name.startswith(_SKIP_DIRS):
+            _SHOWN[filename] = None
+        else:
+            cwd = os.path.join(os.getcwd(), "")
+            _SHOWN[filename] = os.path.relpath(name) if name.startswith(cwd) else name
+    return _SHOWN[filename]
+
+
 def _call_site() -> str:
     """``file:line in function`` of the first frame outside shardfn and torch."""
     frame = sys._getframe(2)
     while frame is not None:
-        name = os.path.abspath(frame.f_code.co_filename)
-        if not name.startswith(_SKIP_DIRS):
-            shown = os.path.relpath(name) if name.startswith(os.getcwd() + os.sep) else name
+        shown = _shown_file(frame.f_code.co_filename)
+        if shown is not None:
             return f"{shown}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return "<unknown site>"
