@@ -107,8 +107,8 @@ def check_against_reference(world, kind, affine, track, momentum, explicit_mesh,
         summed = {k: sum(r[how][0][k] for r in results) for k in grads_t}
         assert_close(summed, grads_t)
         assert_close(torch.cat([r[how][1] for r in results]), grads_x)
-    if track:  # eval: running statistics, per rank (no collectives)
-        assert_close(torch.cat([r[5] for r in results]), evaluated)
+    # eval: the running statistics, per rank (no collectives); without them the batch's, synced
+    assert_close(torch.cat([r[5] for r in results]), evaluated)
 
 
 @st.composite
