@@ -119,9 +119,11 @@ class SyncBatchNorm(_BatchNorm):
         compute = torch.float32 if input.dtype in (torch.float16, torch.bfloat16) else input.dtype
         x = input.to(compute)
         dims = [0, *range(2, x.dim())]
-        count = torch.tensor(x.shape[0] * _spatial(x), dtype=torch.int64, device=x.device)
+        local = x.shape[0] * _spatial(x)
+        count = torch.tensor(local, dtype=torch.int64, device=x.device)
         sums, total_count = psum((x.sum(dims), count), self.axis, mesh=self.mesh)
-        if not _under_vmap() and self.training and int(total_count) <= 1:
+        # (read the global count only when this rank's could leave it at 1: no sync otherwise)
+        if local <= 1 and self.training and not _under_vmap() and int(total_count) <= 1:
             raise ValueError(f"SyncBatchNorm: expected more than 1 value per channel over axis "
                              f"{self.axis!r} when training, got {int(total_count)} in all "
                              f"(input of shape {tuple(input.shape)} on this rank)")
