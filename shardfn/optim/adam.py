@@ -141,7 +141,7 @@ def _adam(name, learning_rate, b1, b2, eps, weight_decay, *, decoupled, mask):
                           other_what=f"{name} state (mu)")
         nus = leaves_like(state.nu, updates, treedef, grads, what="updates",
                           other_what=f"{name} state (nu)")
-        if params is None and weight_decay != 0:
+        if params is None and weight_decay != 0 and grads:  # an empty group needs none
             raise ValueError(f"{name} with weight_decay != 0 needs params: "
                              f"call update(updates, state, params)")
         param_leaves, decays = None, None

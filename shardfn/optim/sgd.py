@@ -79,7 +79,7 @@ def sgd(
 
     def update(updates, state, params=None):
         grads, treedef = flatten_tensors(updates, "updates")
-        if params is None and weight_decay != 0:
+        if params is None and weight_decay != 0 and grads:  # an empty group needs none
             raise ValueError("sgd with weight_decay != 0 needs params: "
                              "call update(updates, state, params)")
         param_leaves = None

@@ -554,7 +554,7 @@ def _state_roles(opt: GradientTransformation, params, part: FlatPartition):
             "shard_opt_state: gather_state/shard_state run the wrapped optimizer's init on "
             "shape-only (meta) parameters to find which state leaves belong to which "
             f"parameter, and it failed: {type(err).__name__}: {err}") from err
-    paths, state_leaves, treedef = pytree.tree_flatten_with_path(probe_state)
+    paths, state_leaves, treedef = _flatten_with_names(probe_state)
     roles: list[int | None] = []
     for path, x in zip(paths, state_leaves, strict=True):
         if not isinstance(x, torch.Tensor) or not x.is_meta:
@@ -570,6 +570,19 @@ def _state_roles(opt: GradientTransformation, params, part: FlatPartition):
             f"between world sizes; gather_state/shard_state support states made of "
             f"per-parameter buffers (zeros_like(param)) and global values")
     return treedef, roles, paths
+
+
+def _flatten_with_names(tree):
+    """``(names, leaves, treedef)`` with NamedTuple fields by name ("1.mu.w", not "1.1.w")."""
+    import optree
+
+    accessors, leaves, treedef = optree.tree_flatten_with_accessor(
+        tree, namespace=pytree.NAMESPACE)
+    names = []
+    for accessor in accessors:
+        parts = [str(getattr(e, "field", None) or getattr(e, "entry", "")) for e in accessor]
+        names.append(".".join(parts))
+    return names, leaves, treedef
 
 
 def _shape_text(shape) -> str:
