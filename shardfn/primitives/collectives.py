@@ -27,7 +27,8 @@ gradient once per rank (JAX's ``check_vma`` forms; Megatron's ``f``/``g`` pair):
 
 Every function works under ``torch.autograd``, ``torch.func.grad``,
 ``grad_and_value``, ``vjp``, ``vmap`` and their compositions (``vmap(grad)``,
-``grad(vmap)``, ``jacrev``, double backward): each is an ``autograd.Function``
+``grad(vmap)``, ``jacrev``, double backward, ``jvp``/``jacfwd``/``hessian``):
+each is an ``autograd.Function``
 in the ``forward`` + ``setup_context`` style calling the ``_c10d_functional``
 ops, whose backward applies the transposed Function (so under vmap the
 backward, too, is one collective on the batched tensor). Leaves may be
@@ -77,7 +78,9 @@ __all__ = [
 # gradient is a batched tensor, and a raw op on it would hit torch's per-example
 # fallback (one collective per example, racing the other ranks' ones: wrong values).
 # Through ``apply`` the vmap rule below runs ONE collective on the batched tensor, and
-# the backward is itself differentiable (double backward, jacrev of a vjp).
+# the backward is itself differentiable (double backward, jacrev of a vjp). The
+# collectives are linear, so each jvp (forward mode: torch.func.jvp, jacfwd, hessian)
+# applies the same Function to the tangent.
 # Every vmap rule moves the batch dim to the front and shifts the dims it is given.
 
 
@@ -111,6 +114,10 @@ class _Psum(torch.autograd.Function):
         return grad, None, None
 
     @staticmethod
+    def jvp(ctx, tangent, *_):
+        return _Psum.apply(tangent, ctx.ax, ctx.grad_psum)
+
+    @staticmethod
     def vmap(info, in_dims, x, ax, grad_psum):
         return _Psum.apply(x, ax, grad_psum), in_dims[0]
 
@@ -131,6 +138,10 @@ class _Pvary(torch.autograd.Function):
         return _Psum.apply(grad, ctx.ax, False), None
 
     @staticmethod
+    def jvp(ctx, tangent, *_):
+        return _Pvary.apply(tangent, ctx.ax)
+
+    @staticmethod
     def vmap(info, in_dims, x, ax):
         return _Pvary.apply(x, ax), in_dims[0]
 
@@ -147,6 +158,10 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _PsumScatter.apply(grad, ctx.ax, ctx.dim), None, None
+
+    @staticmethod
+    def jvp(ctx, tangent, *_):
+        return _AllGather.apply(tangent, ctx.ax, ctx.dim)
 
     @staticmethod
     def vmap(info, in_dims, x, ax, dim):
@@ -168,6 +183,10 @@ class _PsumScatter(torch.autograd.Function):
         return _AllGather.apply(grad, ctx.ax, ctx.dim), None, None
 
     @staticmethod
+    def jvp(ctx, tangent, *_):
+        return _PsumScatter.apply(tangent, ctx.ax, ctx.dim)
+
+    @staticmethod
     def vmap(info, in_dims, x, ax, dim):
         bdim = in_dims[0]
         return _PsumScatter.apply(_batch_first(x, bdim), ax, dim + _shift(bdim)), _out_dim(bdim)
@@ -185,6 +204,10 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _AllToAll.apply(grad, ctx.ax, ctx.concat_dim, ctx.split_dim), None, None, None
+
+    @staticmethod
+    def jvp(ctx, tangent, *_):
+        return _AllToAll.apply(tangent, ctx.ax, ctx.split_dim, ctx.concat_dim)
 
     @staticmethod
     def vmap(info, in_dims, x, ax, split_dim, concat_dim):
@@ -208,6 +231,10 @@ class _Ppermute(torch.autograd.Function):
         return _Ppermute.apply(grad, ctx.ax, inverse), None, None
 
     @staticmethod
+    def jvp(ctx, tangent, *_):
+        return _Ppermute.apply(tangent, ctx.ax, ctx.perm)
+
+    @staticmethod
     def vmap(info, in_dims, x, ax, perm):
         return _Ppermute.apply(x, ax, perm), in_dims[0]
 
@@ -229,6 +256,10 @@ class _Broadcast(torch.autograd.Function):
         # zeros that stay in the graph (not zeros_like): a double backward must run the
         # psum's backward on every rank; where, not "* 0", so an inf stays out of it
         return torch.where(torch.zeros((), dtype=torch.bool), total, 0), None, None
+
+    @staticmethod
+    def jvp(ctx, tangent, *_):
+        return _Broadcast.apply(tangent, ctx.ax, ctx.src)
 
     @staticmethod
     def vmap(info, in_dims, x, ax, src):
