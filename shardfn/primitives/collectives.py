@@ -28,14 +28,13 @@ gradient once per rank (JAX's ``check_vma`` forms; Megatron's ``f``/``g`` pair):
 Every function works under ``torch.autograd``, ``torch.func.grad``,
 ``grad_and_value``, ``vjp``, ``vmap`` and their compositions (``vmap(grad)``,
 ``grad(vmap)``, ``jacrev``, double backward, ``jvp``/``jacfwd``/``hessian``):
-each is an ``autograd.Function``
-in the ``forward`` + ``setup_context`` style calling the ``_c10d_functional``
-ops, whose backward applies the transposed Function (so under vmap the
-backward, too, is one collective on the batched tensor). Leaves may be
-floating, complex, integer or bool (bools are summed as int64 counts; a mean
-of integers is refused). Each public call validates every leaf, then calls
-:func:`shardfn.primitives.consistency.check_call` once (axes of more than one
-rank), then communicates. See docs/collectives.md.
+each is an ``autograd.Function`` in the ``forward`` + ``setup_context`` style
+calling the ``_c10d_functional`` ops, whose backward applies the transposed
+Function (so under vmap the backward, too, is one collective on the batched
+tensor). Leaves may be floating, complex, integer or bool (bools are summed as
+int64 counts; a mean of integers is refused). Each public call validates every
+leaf, then calls :func:`shardfn.primitives.consistency.check_call` once (axes
+of more than one rank), then communicates. See docs/collectives.md.
 
 Example (on each rank of a 2-rank world):
     >>> mesh = sf.Mesh({"dp": 2})
