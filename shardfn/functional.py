@@ -321,7 +321,8 @@ class FunctionalModel:
                 raise
             raise RuntimeError(
                 f"{type(self.module).__name__}.apply under torch.func.vmap: the forward updates "
-                f"a buffer in place that is not batched (buffers: {list(self.buffer_names)}), "
+                f"in place a tensor that vmap does not batch, typically a buffer (BatchNorm's "
+                f"running statistics in training mode; buffers: {list(self.buffer_names)}), "
                 f"which vmap cannot do, as for torch modules. Batch the buffers too (vmap over "
                 f"the params tree, in_dims=0, as for an ensemble), or use model.eval() or "
                 f"track_running_stats=False. torch said: {error}"
