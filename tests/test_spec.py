@@ -48,7 +48,13 @@ def _shard_and_gather(shape, tree, specs):
     layouts = sf.layout_of(tree, specs)
     for name, x in local.items():
         assert tuple(x.shape) == sf.local_shape(tree[name].shape, specs[name], mesh)
-    return local, sf.gather(local, layouts, mesh)
+    bare = {}
+    for name in tree:  # a bare P: the exact tensor or a ValueError, never a padded one
+        try:
+            bare[name] = sf.gather(local[name], specs[name], mesh)
+        except ValueError as err:
+            bare[name] = str(err)
+    return local, sf.gather(local, layouts, mesh), bare
 
 
 @given(case=spec_cases())
@@ -58,9 +64,17 @@ def test_gather_of_shard_is_identity(worlds, case):
     tree = {k: torch.randn(d, generator=gen) for k, d in dims.items()}
     n = math.prod(shape.values())
     results = worlds(n).run(_shard_and_gather, shape, tree, specs)
-    for rank, (_local, full) in enumerate(results):
+    for rank, (_local, full, bare) in enumerate(results):
         for name in tree:
             assert_close(full[name], tree[name], msg=lambda m, r=rank, k=name: f"rank {r} {k}: {m}")
+            sharded = [d for d, part in enumerate(specs[name]) if part is not None
+                       and math.prod(shape[a] for a in sf.spec_axes(sf.P(part))) > 1
+                       and tree[name].shape[d] > 0]
+            if sharded:
+                assert isinstance(bare[name], str) and "leaf '<root>'" in bare[name], bare[name]
+                assert f"dim {sharded[0]}" in bare[name] and "sf.layout_of" in bare[name]
+            else:
+                assert_close(bare[name], tree[name])
 
 
 def test_uneven_shard_pads_with_zeros_and_gather_drops_padding():
