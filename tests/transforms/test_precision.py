@@ -91,3 +91,13 @@ def test_cast_floating_and_output_dtype():
     assert out.dtype == torch.float32 and params["weight"].dtype == torch.float32
     with pytest.raises(TypeError, match="Precision"):
         with_precision(model, {"param_dtype": torch.bfloat16})
+
+
+@pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype", "output_dtype"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.uint8])
+def test_non_floating_policy_dtypes_are_refused(field, dtype):
+    with pytest.raises(ValueError, match=f"{field} must be a floating dtype"):
+        Precision(**{field: dtype})
+    with pytest.raises(TypeError, match=field):
+        Precision(**{field: "float16"})
+    assert Precision(**{field: torch.bfloat16})._replace(cast_inputs=False).cast_inputs is False

@@ -214,3 +214,34 @@ def _wrong_full_state():
 def test_a_full_state_of_the_wrong_shape_is_refused_naming_its_path(worlds):
     for message in worlds(2).run(_wrong_full_state):
         assert message and "mu.w" in message and "(4, 2)" in message, message
+
+
+def _rewind(opt_name: str, seed: int):
+    """FairScale's test_reproducibility: consolidate, take two steps, load the consolidated
+    state back (same world) and take the same two steps again: the same parameters."""
+    import torch.distributed as dist
+
+    import shardfn as sf
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    opt = sf.shard_opt_state(make_opt(opt_name), sf.Mesh({"dp": n}), "dp", bucket_bytes=28)
+    params = make_params("nested", seed)
+    state = opt.init(params)
+
+    def steps(params, state, which):
+        for step in which:
+            updates, state = opt.update(local_grads(params, step, rank, n, seed), state, params)
+            params = sf.optim.apply_updates(params, updates)
+        return params, state
+
+    params, state = steps(params, state, range(2))
+    saved = sf.pytree.tree_map(torch.clone, (params, opt.gather_state(state, params)))
+    first, _ = steps(params, state, range(2, 4))
+    again, _ = steps(saved[0], opt.shard_state(saved[1], saved[0]), range(2, 4))
+    return all(torch.equal(a, b) for a, b in zip(sf.pytree.tree_leaves(first),
+                                                 sf.pytree.tree_leaves(again), strict=True))
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "masked", "skip_nonfinite"])
+def test_reloading_a_consolidated_state_reproduces_training_bitwise(worlds, opt_name):
+    assert worlds(3).run(_rewind, opt_name, 2) == [True] * 3
