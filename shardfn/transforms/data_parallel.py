@@ -65,8 +65,11 @@ class DataParallel(NamedTuple):
     """Gradient averaging over a mesh axis.
 
     Attributes:
-        reduce_grads: ``reduce_grads(grads) -> averaged grads``.
-        overlap: ``overlap(params)`` context manager for autograd steps.
+        reduce_grads: ``reduce_grads(grads, *, weight=None) -> averaged grads``; the mean
+            of the per-rank gradients, which is the full-batch gradient only for equal
+            per-rank batches; ``weight`` (this rank's number of examples) makes it the
+            exact weighted mean ``sum_r w_r g_r / sum_r w_r``.
+        overlap: ``overlap(params, *, weight=None)`` context manager for autograd steps.
     """
 
     reduce_grads: Callable

@@ -127,15 +127,23 @@ class ShardedOptimizer(NamedTuple):
 
     Attributes:
         init: ``init(params) -> ShardedOptState``.
-        update: ``update(local_grads, state, params) -> (full updates, state)``.
+        update: ``update(local_grads, state, params, *, weight=None, **inner_kwargs) ->
+            (full updates, state)``; ``weight``: this rank's number of examples, for an
+            exact weighted mean over unequal per-rank batches (see ``reduce_grads``);
+            other keywords go to the wrapped optimizer's ``update``.
         gather_state: ``gather_state(state, params)`` -> the full, unsharded inner state
             (identical on every rank), e.g. to inspect or save it.
         shard_state: ``shard_state(full_inner_state, params)`` -> this rank's
             ``ShardedOptState``, e.g. to load a state saved at another world size.
-        reduce_grads: ``reduce_grads(local_grads, params)`` -> this rank's averaged
-            gradient part (a tree of 1-D pieces).
+        reduce_grads: ``reduce_grads(local_grads, params, *, weight=None)`` -> this rank's
+            averaged gradient part (a tree of 1-D pieces). Without ``weight`` the mean of
+            the per-rank gradients (the full-batch gradient only for equal per-rank
+            batches); with it ``sum_r w_r g_r / sum_r w_r``. fp16/bf16 gradients are
+            divided before and after the sum (FSDP2's factors); integer leaves are not
+            reduced (zeros).
         partition: ``partition(params) -> FlatPartition``.
-        overlap: ``overlap(params)``: a context manager whose hooks reduce-scatter
+        overlap: ``overlap(params, *, weight=None)``: a context manager whose hooks
+            reduce-scatter
             gradients during ``backward()``; its ``grads()`` returns the
             :class:`ReducedGrads`. With ``shard_grads=True`` (ZeRO-2) it frees every
             ``.grad`` once its buckets are reduced; otherwise (ZeRO-1) ``.grad`` stays.
