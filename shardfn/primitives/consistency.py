@@ -338,19 +338,25 @@ def _comparable(fp: dict) -> dict:
 
 
 def _wait_keys(store: dist.Store, keys: list[str], timeout_s: float) -> bool:
-    """Wait until every key is set; False after ``timeout_s``."""
-    if not _polls_files(store):  # TCPStore & co: the server wakes the waiter
+    """Wait until every key is set; False after ``timeout_s``.
+
+    A TCPStore (and other stores) ``wait``: the server wakes the waiter, nothing polls
+    it, and a timed-out wait leaves the client usable (tested). A FileStore's ``wait``
+    sleeps 10 ms between looks: poll ``check`` with a back-off from 20 µs instead.
+    """
+    if not _polls_files(store):
         try:
             store.wait(keys, timedelta(seconds=timeout_s))
             return True
         except (RuntimeError, dist.DistError):
             return store.check(keys)
     deadline = monotonic() + timeout_s
-    pause = 2e-5  # FileStore.wait sleeps 10 ms between looks: poll ourselves, backing off
+    pause = 2e-5
     while not store.check(keys):
-        if monotonic() > deadline:
+        now = monotonic()
+        if now > deadline:
             return False
-        sleep(pause)
+        sleep(min(pause, deadline - now))
         pause = min(pause * 2, 2e-3)
     return True
 
