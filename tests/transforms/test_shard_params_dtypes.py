@@ -210,3 +210,40 @@ def test_fp16_sum_keeps_sum_semantics(worlds):
     for grads in worlds(n).run(_fp16_on_rank, {"dp": n}, value, None, "sum", torch.float16):
         assert torch.isinf(grads["lin.weight"]).all() and torch.isinf(grads["s"])
         assert_close(grads["lin.bias"].float(), torch.full((2,), float(n)))
+
+
+def _accumulate_on_rank(n: int, mode: str):
+    import torch.distributed as dist
+
+    import shardfn as sf
+    from shardfn.transforms.shard_params import shard_params
+
+    rank = dist.get_rank()
+    fmodel = sf.functional(_make("float"))
+    mesh = sf.Mesh({"dp": n})
+    model = shard_params(fmodel, mesh, "dp", units=Block)
+    shards = _double(model.init(0))
+    train = {k: v for k, v in shards.items() if k in fmodel.trainable_names}
+    rest = {k: v for k, v in shards.items() if k not in train}
+    x = _batch("float", n)[0].chunk(n)[rank]
+
+    def loss_fn(train, x):
+        return model.apply({**rest, **train}, x).square().mean()
+
+    grads, _ = model.accumulate_grads(loss_fn, 2, mode=mode)(train, x)
+    assert all(g.dtype == torch.float64 for g in grads.values())
+    full = sf.gather({**rest, **grads}, model.specs, mesh)
+    return {k: full[k] for k in grads}
+
+
+@pytest.mark.parametrize("mode", ["reduce_once", "reduce_each"])
+def test_float64_gradient_accumulation(worlds, mode):
+    n = 2
+    fmodel = sf.functional(_make("float"))
+    params = _double(fmodel.init(0))
+    x = _batch("float", n)[0]
+    train = {k: v for k, v in params.items() if k in fmodel.trainable_names}
+    ref = torch.func.grad(lambda t: fmodel.apply({**params, **t}, x).square().mean())(train)
+    for grads in worlds(n).run(_accumulate_on_rank, n, mode):
+        for name, expected in ref.items():
+            assert_close(grads[name], expected, msg=lambda m, k=name: f"{k}: {m}")
