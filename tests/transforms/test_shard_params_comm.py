@@ -109,6 +109,39 @@ def test_only_wanted_gradients_are_reduced(worlds, what, how, remat, n):
             assert_close(grads[name], ref[name], msg=lambda m, k=name: f"{k}: {m}")
 
 
+def _hsdp_on_rank(wanted: list[str]):
+    import torch.distributed as dist
+
+    import shardfn as sf
+
+    rank = dist.get_rank()
+    fmodel = sf.functional(_net())
+    mesh = sf.Mesh({"rep": 2, "dp": 2})
+    model = shard_params(fmodel, mesh, "dp", units=Block, replicate_axis="rep")
+    shards = model.init(0)
+    x = _x(4).chunk(4)[rank]
+    train = {k: shards[k] for k in wanted}
+    rest = {k: v for k, v in shards.items() if k not in train}
+    sf.reset_comm_stats()
+    grads = torch.func.grad(lambda t: model.apply({**rest, **t}, x).square().mean())(train)
+    stats = sf.comm_stats()
+    full = sf.gather({**rest, **grads}, model.specs, mesh)
+    return {k: full[k] for k in grads}, stats.op_calls("psum_scatter"), stats.op_calls("psum")
+
+
+def test_hsdp_reduces_only_wanted_gradients(worlds):
+    wanted, reducing_units = WANTED["one unit"]
+    fmodel = sf.functional(_net())
+    params = fmodel.init(0)
+    ref = torch.func.grad(lambda t: fmodel.apply({**params, **t}, _x(4)).square().mean())(
+        {k: params[k] for k in wanted})
+    for grads, scatters, psums in worlds(4).run(_hsdp_on_rank, wanted):
+        # one reduce-scatter over "dp" and one all-reduce over "rep", for that unit only
+        assert (scatters, psums) == (reducing_units, reducing_units)
+        for name in wanted:
+            assert_close(grads[name], ref[name], msg=lambda m, k=name: f"{k}: {m}")
+
+
 def _all_trainable_on_rank(n: int):
     import shardfn as sf
 
