@@ -140,6 +140,8 @@ def data_parallel(mesh: Mesh, axis: AxisName = "dp", *, bucket_bytes: int = DEFA
             raise ValueError("reduce_grads(weight=...) gives a weighted mean; it needs "
                              "data_parallel(..., average=True)")
         if ax.size == 1:
+            if weight is not None:  # validated here too: the same errors at every size
+                weight_share(weight, ax, _device_of(leaves))
             return grads
         live = [i for i, g in enumerate(leaves) if g.is_floating_point() or g.is_complex()]
         sub = leaves if len(live) == len(leaves) else [leaves[i] for i in live]
