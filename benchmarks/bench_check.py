@@ -219,10 +219,17 @@ def consistency_store():
     return store
 
 
+def _spread(times: list[float], per: int, scale: float, unit: str) -> str:
+    """``median (p25-p75) unit`` of ``times / per``."""
+    q = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else times * 3
+    return (f"{statistics.median(times) / per * scale:.1f} ({q[0] / per * scale:.0f}–"
+            f"{q[2] / per * scale:.0f}) {unit}")
+
+
 def table(out: dict, calls: int) -> str:
     by_key = {r.key: r for r in out["results"]}
-    lines = ["| measurement | check off, median | check on (FileStore), median | ratio "
-             "| check on (TCPStore), median | ratio | checks per step (on) |",
+    lines = ["| measurement | check off: median (p25–p75) | check on, FileStore | ratio of "
+             "medians | check on, TCPStore | ratio of medians | checks per step (on) |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for name, stem, per, unit, scale in (
             ("small psum (16 floats), per call", "psum", calls, "µs", 1e6),
@@ -232,12 +239,12 @@ def table(out: dict, calls: int) -> str:
             lines.append(f"| {name} | " + " | ".join(r.error or "" for r in runs) + " | | | |")
             continue
         m_off, m_on, m_tcp = (statistics.median(r.times_s) / per for r in runs)
+        t_off, t_on, t_tcp = (_spread(r.times_s, per, scale, unit) for r in runs)
         checks = out["checks"].get(f"{stem}-on", 0)
         if out["explicit"]:
             checks = f"{checks} (explicit)"
-        lines.append(f"| {name} | {m_off * scale:.1f} {unit} | {m_on * scale:.1f} {unit} "
-                     f"| {m_on / m_off:.2f} | {m_tcp * scale:.1f} {unit} | {m_tcp / m_off:.2f} "
-                     f"| {checks} |")
+        lines.append(f"| {name} | {t_off} | {t_on} | {m_on / m_off:.2f} | {t_tcp} "
+                     f"| {m_tcp / m_off:.2f} | {checks} |")
     return "\n".join(lines)
 
 
