@@ -254,7 +254,8 @@ class _Broadcast(torch.autograd.Function):
             return total, None, None
         # zeros that stay in the graph (not zeros_like): a double backward must run the
         # psum's backward on every rank; where, not "* 0", so an inf stays out of it
-        return torch.where(torch.zeros((), dtype=torch.bool), total, 0), None, None
+        is_src = torch.zeros((), dtype=torch.bool, device=total.device)
+        return torch.where(is_src, total, 0), None, None
 
     @staticmethod
     def jvp(ctx, tangent, *_):
