@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.testing import assert_close
 
@@ -239,3 +241,56 @@ def test_new_buffers_come_back_in_the_given_dtype_and_device():
             # bf16 statistics: 8 mantissa bits (exact for the integer counter)
             tol = dict(rtol=2e-2, atol=2e-2) if "precision" in options else {}
             assert_close(buffers[name], ref, **tol)
+
+
+def _property_on_rank(case):
+    import torch.distributed as dist
+
+    import shardfn as sf
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(case["seed"])
+    fmodel = sf.functional(BNNet(case["d"]))
+    mesh = sf.Mesh({"dp": case["n"]})
+    model = shard_params(fmodel, mesh, "dp", units=BNBlock, remat=POLICIES[case["policy"]],
+                         reshard_after_forward=case["reshard"])
+    shards = model.init(case["seed"])
+    x = case["inputs"][rank]
+    train, rest = model.split_trainable(shards)
+
+    def loss_fn(train):
+        out, new_buffers = model.apply(model.merge(train, rest), x, mutable=True)
+        return out.square().mean(), new_buffers
+
+    grads, new_buffers = torch.func.grad(loss_fn, has_aux=True)(train)
+    full = sf.gather({**rest, **grads}, model.specs, mesh)
+    return {k: full[k] for k in grads}, new_buffers
+
+
+@settings(max_examples=6, deadline=None)
+@given(n=st.integers(1, 3), d=st.integers(2, 6), per_rank=st.integers(2, 4),
+       policy=st.sampled_from(list(POLICIES)), reshard=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_buffers_property_per_rank_reference(worlds, n, d, per_rank, policy, reshard, seed):
+    """Hypothesis over world size, width (uneven shards), batch, remat and resharding: new
+    buffers are each rank's ``apply_with_buffers``; gradients the mean of the per-rank ones."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = [torch.randn(per_rank, 3, generator=gen) for _ in range(n)]
+    case = dict(n=n, d=d, policy=policy, reshard=reshard, seed=seed, inputs=inputs)
+    torch.manual_seed(seed)
+    fmodel = sf.functional(BNNet(d))
+    params = fmodel.init(seed)
+    train, rest = fmodel.split_trainable(params)
+    refs = []
+    for x in inputs:
+        def ref_loss(train, x=x):
+            out, buffers = fmodel.apply_with_buffers({**rest, **train}, x)
+            return out.square().mean(), buffers
+
+        refs.append(torch.func.grad(ref_loss, has_aux=True)(train))
+    for rank, (grads, buffers) in enumerate(worlds(n).run(_property_on_rank, case)):
+        for name, ref in refs[rank][1].items():
+            assert_close(buffers[name], ref, msg=lambda m, k=name: f"{k}: {m}")
+        for name, grad in grads.items():
+            assert_close(grad, sum(r[0][name] for r in refs) / n,
+                         msg=lambda m, k=name: f"{k}: {m}")
