@@ -44,6 +44,7 @@ Example (on each rank of a 2-rank world):
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -290,12 +291,32 @@ def _run(op: str, ax: Axis, tree, prepare: Callable[[str, torch.Tensor], Callabl
     return pytree.tree_unflatten(treedef, [run() for run in work])
 
 
+def _as_int(value: Any) -> int | None:
+    """``value`` as an int if it is an integer (numpy and 0-dim integer tensors too), else None.
+
+    Bools are not integers here: ``dim=True`` is a mistake, not dim 1.
+    """
+    if isinstance(value, bool) or (
+            isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _int_arg(op: str, ax: Axis, name: str, value: Any) -> int:
+    """A static int argument (``dim``, ``src``, ...) as a Python int, or a TypeError naming it."""
+    as_int = _as_int(value)
+    if as_int is None:
+        raise TypeError(f"{op} over axis {ax.key!r}: {name} must be an int, got {value!r}")
+    return as_int
+
+
 def _dim(op: str, ax: Axis, path: str, x: torch.Tensor, dim: int, ndim: int | None = None) -> int:
     """``dim`` normalised for a tensor of ``ndim`` dims (default ``x.dim()``), or a clear error."""
     ndim = x.dim() if ndim is None else ndim
     where = f"{op} over axis {ax.key!r}: leaf {path!r}"
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"{where}: dim must be an int, got {dim!r}")
     if ndim == 0:
         raise ValueError(f"{where} is a 0-dim tensor; {op} needs a tensor with a dim to split or "
                          "join (reshape it to shape (1,))")
@@ -465,6 +486,7 @@ def all_gather(tree, axis: AxisName, *, dim: int = 0, tiled: bool = True,
         >>> full = sf.all_gather(local_rows, "dp", dim=0)
     """
     ax = _comm.resolve(axis, mesh)
+    dim = _int_arg("all_gather", ax, "dim", dim)
 
     def prepare(path, x):
         if tiled and x.dim() == 0:
@@ -501,6 +523,7 @@ def psum_scatter(tree, axis: AxisName, *, dim: int = 0, tiled: bool = True,
         >>> grad_shard = sf.psum_scatter(full_grad, "dp", dim=0)
     """
     ax = _comm.resolve(axis, mesh)
+    dim = _int_arg("psum_scatter", ax, "dim", dim)
 
     def prepare(path, x):
         d = _dim("psum_scatter", ax, path, x, dim)
@@ -540,6 +563,8 @@ def all_to_all(tree, axis: AxisName, split_dim: int, concat_dim: int, *,
         >>> heads_local = sf.all_to_all(seq_local, "sp", split_dim=2, concat_dim=1)
     """
     ax = _comm.resolve(axis, mesh)
+    split_dim = _int_arg("all_to_all", ax, "split_dim", split_dim)
+    concat_dim = _int_arg("all_to_all", ax, "concat_dim", concat_dim)
 
     def prepare(path, x):
         s = _dim("all_to_all", ax, path, x, split_dim)
@@ -555,10 +580,10 @@ def _check_perm(ax: Axis, perm) -> tuple[tuple[int, int], ...]:
     pairs = []
     for pair in perm:
         if (not isinstance(pair, (tuple, list)) or len(pair) != 2
-                or any(isinstance(i, bool) or not isinstance(i, int) for i in pair)):
+                or any(_as_int(i) is None for i in pair)):
             raise TypeError(f"ppermute over axis {ax.key!r}: perm entries are (src, dst) pairs "
                             f"of ints, got {pair!r} in {perm!r}")
-        pairs.append((int(pair[0]), int(pair[1])))
+        pairs.append((_as_int(pair[0]), _as_int(pair[1])))
     sources, dests = [s for s, _ in pairs], [d for _, d in pairs]
     for i in sources + dests:
         if not 0 <= i < ax.size:
@@ -613,9 +638,7 @@ def broadcast(tree, axis: AxisName, *, src: int = 0, mesh: Mesh | None = None):
         >>> params = sf.broadcast(params, "dp", src=0)
     """
     ax = _comm.resolve(axis, mesh)
-    if isinstance(src, bool) or not isinstance(src, int):
-        raise TypeError(f"broadcast over axis {ax.key!r}: src must be an int axis index, got "
-                        f"{src!r}")
+    src = _int_arg("broadcast", ax, "src", src)
     if not 0 <= src < ax.size:
         raise ValueError(f"broadcast over axis {ax.key!r} of size {ax.size}: src {src} is out "
                          f"of range (valid: 0..{ax.size - 1})")

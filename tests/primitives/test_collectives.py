@@ -474,6 +474,8 @@ def test_bad_static_arguments_are_refused_locally(worlds):
     """What one rank can see is wrong is refused there, before anything is sent."""
 
     def on_rank():
+        import numpy
+
         import shardfn as sf
 
         mesh = sf.Mesh({"x": 2})
@@ -492,9 +494,15 @@ def test_bad_static_arguments_are_refused_locally(worlds):
                 errors.append(None)
             except (ValueError, TypeError) as err:
                 errors.append(f"{type(err).__name__}: {err}")
-        return errors
+        # integers that are not Python ints (numpy, 0-dim tensors) are fine
+        x = torch.ones(2)
+        fine = [sf.ppermute(x, "x", [(numpy.int64(0), torch.tensor(1))], mesh=mesh),
+                sf.all_gather(x, "x", dim=numpy.int32(0), mesh=mesh),
+                sf.broadcast(x, "x", src=torch.tensor(1), mesh=mesh)]
+        return errors, fine
 
-    errors = worlds(2).run(on_rank)[0]
+    errors, fine = worlds(2).run(on_rank)[0]
+    assert [tuple(t.shape) for t in fine] == [(2,), (4,), (2,)]
     assert errors[0].startswith("TypeError") and "(src, dst) pairs" in errors[0]
     assert errors[1].startswith("TypeError") and "(src, dst) pairs" in errors[1]
     assert errors[2].startswith("ValueError") and "index -1" in errors[2]
