@@ -45,7 +45,7 @@ Example (on each rank of a 2-rank world):
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -577,6 +577,9 @@ def all_to_all(tree, axis: AxisName, split_dim: int, concat_dim: int, *,
 
 def _check_perm(ax: Axis, perm) -> tuple[tuple[int, int], ...]:
     """``perm`` as a tuple of int pairs, each source and destination in range and at most once."""
+    if not isinstance(perm, Iterable) or isinstance(perm, (str, bytes, torch.Tensor)):
+        raise TypeError(f"ppermute over axis {ax.key!r}: perm is a sequence of (src, dst) pairs, "
+                        f"got {perm!r}")
     pairs = []
     for pair in perm:
         if (not isinstance(pair, (tuple, list)) or len(pair) != 2

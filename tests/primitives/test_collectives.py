@@ -488,6 +488,7 @@ def test_bad_static_arguments_are_refused_locally(worlds):
             lambda: sf.broadcast(torch.ones(2), "x", src=2, mesh=mesh),
             lambda: sf.all_gather(torch.ones(2), "x", dim=True, mesh=mesh),
             lambda: sf.psum_scatter(torch.ones(3, 2), "x", dim=0, tiled=False, mesh=mesh),
+            lambda: sf.ppermute(torch.ones(2), "x", 1, mesh=mesh),
         ):
             try:
                 call()
@@ -510,3 +511,4 @@ def test_bad_static_arguments_are_refused_locally(worlds):
     assert errors[4].startswith("ValueError") and "valid: 0..1" in errors[4]
     assert errors[5].startswith("TypeError") and "dim must be an int" in errors[5]
     assert errors[6].startswith("ValueError") and "needs dim 0 of size 2" in errors[6]
+    assert errors[7].startswith("TypeError") and "perm is a sequence" in errors[7]
