@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from shardfn import pytree
 from shardfn.primitives import _comm, autocast_state, stats
@@ -724,7 +725,10 @@ def _recorded_vjp(out: Any, groups: tuple[Mapping, ...]) -> Callable:
         pairs = [(o, g) for o, g in zip(outs, cotangents, strict=True) if o.requires_grad]
         grads: Sequence[torch.Tensor | None] = [None] * len(inputs)
         if pairs and inputs:
-            with no_functorch():
+            # functorch off, and its interpreter stack hidden: an autograd.Function whose
+            # backward calls another Function's apply (the collectives') then runs as plain
+            # autograd instead of functorch's custom_function_call
+            with no_functorch(), temporarily_clear_interpreter_stack():
                 grads = torch.autograd.grad([o for o, _ in pairs], inputs,
                                             [g for _, g in pairs], allow_unused=True)
         it = iter(torch.zeros(x.shape, dtype=x.dtype, device=x.device) if g is None else g

@@ -294,3 +294,61 @@ def test_buffers_property_per_rank_reference(worlds, n, d, per_rank, policy, res
         for name, grad in grads.items():
             assert_close(grad, sum(r[0][name] for r in refs) / n,
                          msg=lambda m, k=name: f"{k}: {m}")
+
+
+def _synced_on_rank(n: int, policy: str, how: str):
+    import torch.distributed as dist
+
+    import shardfn as sf
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    mesh = sf.Mesh({"dp": n})
+    fmodel = sf.functional(sf.sync_batch_norm(BNNet(), "dp", mesh=mesh))
+    model = shard_params(fmodel, mesh, "dp", units=BNBlock, remat=POLICIES[policy])
+    shards = model.init(0)
+    x = _synced_batch(n).chunk(n)[rank]
+    train, rest = model.split_trainable(shards)
+
+    def loss_fn(train):
+        out, new_buffers = model.apply(model.merge(train, rest), x, mutable=True)
+        return _loss(out), (out, new_buffers)
+
+    if how == "func":
+        grads, (out, new_buffers) = torch.func.grad(loss_fn, has_aux=True)(train)
+    else:
+        leaves = {k: v.detach().requires_grad_() for k, v in train.items()}
+        loss, (out, new_buffers) = loss_fn(leaves)
+        loss.backward()
+        grads = {k: v.grad for k, v in leaves.items()}
+    full = sf.gather({**rest, **grads}, model.specs, mesh)
+    return ({k: full[k] for k in grads}, out.detach(),
+            {k: v.detach() for k, v in new_buffers.items()})
+
+
+def _synced_batch(n: int) -> torch.Tensor:
+    return torch.randn(4 * n, 3, generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("how", ["func", "autograd"])
+def test_sync_batch_norm_under_shard_params_equals_one_process(worlds, policy, how):
+    """``sf.sync_batch_norm`` (the synced option the docs name): outputs, statistics and
+    gradients equal one process on the whole batch. Its psum runs inside a unit; under
+    ``torch.func`` the unit's recorded backward calls the psum's backward Function."""
+    n = 2
+    fmodel = _fmodel()
+    train, rest = fmodel.split_trainable(fmodel.init(0))
+
+    def ref_loss(train):
+        out, buffers = fmodel.apply_with_buffers({**rest, **train}, _synced_batch(n))
+        return _loss(out), (out, buffers)
+
+    ref_grads, (ref_out, ref_buffers) = torch.func.grad(ref_loss, has_aux=True)(train)
+    for rank, (grads, out, buffers) in enumerate(worlds(n).run(_synced_on_rank, n, policy,
+                                                               how)):
+        assert_close(out, ref_out.chunk(n)[rank])
+        for name, ref in ref_buffers.items():
+            assert_close(buffers[name], ref, msg=lambda m, k=name: f"{k}: {m}")
+        for name, ref in ref_grads.items():
+            assert_close(grads[name], ref, msg=lambda m, k=name: f"{k}: {m}")
