@@ -385,17 +385,18 @@ def _exchange(ax: Axis, fp: dict, label: str) -> tuple[int, list[dict] | None]:
         mine = f"{prefix}{seq}/{rank}"
         keys = [f"{prefix}{seq}/{r}" for r in ax.ranks]
         store.set(mine, json.dumps(summary))
+        deadline = monotonic() + _TIMEOUT_S
         with stats.collective_scope(f"check mode: waiting for the ranks of axis {ax.key!r} "
                                     f"{list(ax.ranks)} at {label} #{seq + 1}"):
-            arrived = _wait_keys(store, keys, _TIMEOUT_S)
-        if not arrived:
+            summaries = _read_fresh(store, keys, deadline)
+        if summaries is None:
             message = _timeout_message(store, ax, prefix, seq, keys, summary, fp["op"], label)
-            # Take the call back: the late rank's next call then pairs with our next one.
+            # Take the call back: mark the key (never delete it: a peer may be reading it) so
+            # that a late peer waits for our next call at this number and pairs with that.
             with contextlib.suppress(Exception):
-                store.delete_key(mine)
+                store.set(mine, json.dumps({**summary, "gave_up": True}))
             _SEQ[ax.ranks] = seq
             raise ConsistencyError(message)
-        summaries = [json.loads(v) for v in store.multi_get(keys)]
         if seq > 0:  # every peer has posted call seq, so none still reads our call seq - 1
             store.delete_key(f"{prefix}{seq - 1}/{rank}")
         if all(other["digest"] == summary["digest"] for other in summaries):
@@ -411,25 +412,44 @@ def _exchange(ax: Axis, fp: dict, label: str) -> tuple[int, list[dict] | None]:
         return seq, [json.loads(v) for v in store.multi_get(full_keys)]
 
 
+def _read_fresh(store: dist.Store, keys: list[str], deadline: float) -> list[dict] | None:
+    """Every key's summary once all are posted and none is a call its rank gave up on
+    (that rank's next call will replace it); None at the deadline."""
+    pause = 2e-5
+    while True:
+        if not _wait_keys(store, keys, max(0.0, deadline - monotonic())):
+            return None
+        summaries = [json.loads(v) for v in store.multi_get(keys)]
+        if not any(other.get("gave_up") for other in summaries):
+            return summaries
+        if monotonic() > deadline:
+            return None
+        sleep(pause)
+        pause = min(pause * 2, 2e-3)
+
+
 def _timeout_message(store: dist.Store, ax: Axis, prefix: str, seq: int, keys: list[str],
                      summary: dict, op: str, label: str) -> str:
     here = store.check  # one key at a time: some may have arrived meanwhile
-    missing = [r for r, key in zip(ax.ranks, keys, strict=True) if not here([key])]
+    # Keys of call seq are only ever overwritten (never deleted) while a rank waits at seq,
+    # and a missing rank's key of seq - 1 stays until it has read all keys of seq: every
+    # get below is of a key known to exist (a get of a missing key would block).
+    posted = {r: json.loads(store.get(key))
+              for r, key in zip(ax.ranks, keys, strict=True) if here([key])}
     lines = []
-    for r in missing:
+    for r in ax.ranks:
+        if r in posted:
+            continue
         last = "it made no checked call on this axis before"
         previous = f"{prefix}{seq - 1}/{r}"
         if seq > 0 and here([previous]):
-            with contextlib.suppress(Exception):
-                other = json.loads(store.get(previous))
-                last = f"its last checked call was #{seq}: {other['call']} at {other['site']}"
+            other = json.loads(store.get(previous))
+            last = f"its last checked call was #{seq}: {other['call']} at {other['site']}"
         lines.append(f"  rank {r} never reached {label} #{seq + 1} ({op} over {ax.key!r} at "
                      f"{summary['site']}); {last}")
-    for r, key in zip(ax.ranks, keys, strict=True):
-        if r not in missing:
-            with contextlib.suppress(Exception):
-                other = json.loads(store.get(key))
-                lines.append(f"  rank {r} arrived: {other['call']} at {other['site']}")
+    for r, other in posted.items():
+        how = "arrived, then gave up waiting" if other.get("gave_up") else "arrived"
+        lines.append(f"  rank {r} {how}: {other['call']} at {other['site']}")
     head = (f"check mode: ranks of axis {ax.key!r} (ranks {list(ax.ranks)}) timed out after "
             f"{_TIMEOUT_S:g} s at {label} #{seq + 1}:")
     hint = ("  (a rank skipped this call, made an extra one, raised before it, or is blocked "

@@ -12,6 +12,7 @@ not offset the next one.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -182,6 +183,25 @@ def test_extra_call_times_out_naming_the_missing_rank(worlds):
     assert "in _extra_call_at_the_end" in message
 
 
+def _one_rank_skips(rank, ax):
+    consistency.check_call("psum", ax, torch.ones(2))
+    if rank != 2:  # rank 2 skips the all_gather (e.g. it raised before it)
+        consistency.check_call("all_gather", ax, torch.ones(2), dim=0)
+    return "finished"
+
+
+def test_skipped_call_on_three_ranks_names_the_missing_one(worlds):
+    results = worlds(3).run(_checked, _one_rank_skips, check_timeout=0.5)
+    assert results[2] == ("ok", "finished")
+    for kind, message in results[:2]:
+        assert kind == "error"
+        assert "rank 2 never reached collective #2 (all_gather over 'x' at " in message
+        assert "its last checked call was #1: psum(float32[2])" in message
+        for r in (0, 1):  # the other may have timed out first: it then says so
+            assert re.search(rf"rank {r} arrived(, then gave up waiting)?: all_gather\("
+                             r"float32\[2\], dim=0\)", message), message
+
+
 def _late_rank_after_timeout(rank, ax):
     """Rank 0 times out at #1 (it takes the call back); the next calls still pair up."""
     import time
@@ -203,6 +223,26 @@ def _late_rank_after_timeout(rank, ax):
 def test_a_timed_out_call_is_taken_back(worlds):
     results = worlds(2).run(_checked, _late_rank_after_timeout, check_timeout=0.3)
     assert results == [("ok", "paired")] * 2
+
+
+def _gave_up_and_left(rank, ax):
+    """Rank 0 times out at #1 and makes no other call; rank 1 comes late: it must not pair
+    with the call rank 0 gave up on."""
+    import time
+
+    if rank == 1:
+        time.sleep(1.0)
+    try:
+        consistency.check_call("psum", ax, torch.ones(2))
+    except consistency.ConsistencyError as error:
+        return str(error)
+    return "paired with a call taken back"
+
+
+def test_a_late_rank_does_not_pair_with_a_call_taken_back(worlds):
+    results = worlds(2).run(_checked, _gave_up_and_left, check_timeout=0.3)
+    assert "rank 1 never reached collective #1" in results[0][1]
+    assert "rank 0 arrived, then gave up waiting: psum(float32[2])" in results[1][1]
 
 
 def _one_axis_of_two(rank, ax):
