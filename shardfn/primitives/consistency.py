@@ -18,10 +18,13 @@ same on gloo and NCCL, inside backward passes, and can time out. Each group of
 ranks counts its checked calls; call ``#n`` of rank ``r`` is the key
 ``sfcheck/<epoch>/<group ranks>/<n>/<r>``. A rank that makes an extra or a
 different call therefore disagrees with the others at that number (or, if the
-others never make another checked call there, times out naming it). A rank
-deletes its own key of call ``n - 1`` once it has read every key of call ``n``
-(every peer has then finished reading call ``n - 1``). Comm stats do not count
-this traffic. See docs/check_mode.md.
+others never make another checked call there, times out naming it). A key
+holds a digest of the fingerprint (the full fingerprints are exchanged only on
+a mismatch, for the message). A rank deletes its own key of call ``n - 1`` once
+it has read every key of call ``n`` (every peer has then finished reading call
+``n - 1``); a call that timed out is marked "gave up", never deleted, so no
+read can block on a missing key. Comm stats do not count this traffic. See
+docs/check_mode.md.
 
 Example:
     >>> sf.check_consistency(True)     # every later collective is checked
