@@ -60,7 +60,7 @@ class Mesh:
         for name, size in axes.items():
             if not isinstance(name, str) or not name:
                 raise TypeError(f"mesh axis names must be non-empty strings, got {name!r}")
-            if not isinstance(size, int) or size < 1:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"mesh axis {name!r} has size {size!r}; sizes are ints >= 1")
         self._axes: dict[str, int] = dict(axes)
         _check_launched()
@@ -132,7 +132,7 @@ class Mesh:
         """Number of ranks along ``axis`` (a product for a tuple; all ranks for None)."""
         if axis is None:
             return len(self._ranks)
-        return math.prod(self._axes[a] for a in self.axes(axis))
+        return math.prod([self._axes[a] for a in self.axes(axis)])
 
     def index(self, axis: AxisName) -> int:
         """This rank's coordinate along ``axis`` (row-major over a tuple of axes)."""

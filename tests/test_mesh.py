@@ -80,3 +80,9 @@ def test_size_mismatch_in_a_world(worlds):
         assert "multiply to the world size (2)" in message
         assert "Mesh({'dp': 2})" in message
         assert "torchrun" not in message  # the group exists: launching is not the problem
+
+
+@pytest.mark.parametrize("size", [True, False, 2.0, "2"])
+def test_axis_sizes_must_be_ints_not_bools(size):
+    with pytest.raises(ValueError, match="sizes are ints >= 1"):
+        sf.Mesh({"dp": size})

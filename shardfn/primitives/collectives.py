@@ -54,6 +54,7 @@ from shardfn import pytree
 from shardfn.mesh import AxisName, Mesh, get_mesh
 from shardfn.primitives import _comm, consistency
 from shardfn.primitives._comm import Axis
+from shardfn.primitives.reduce_scaling import divide_factors
 
 __all__ = [
     "all_gather",
@@ -372,6 +373,15 @@ def psum(tree, axis: AxisName, *, mesh: Mesh | None = None):
     return _run("psum", ax, tree, prepare)
 
 
+def _mean(x: torch.Tensor, ax: Axis, grad_psum: bool) -> torch.Tensor:
+    """Sum over the axis divided by its size; in fp16/bf16 part of the division comes first
+    (FSDP2's factors), so a mean that fits the dtype does not overflow in the sum."""
+    pre, post = divide_factors(ax.size, x.dtype)
+    if pre != 1:
+        x = x / pre
+    return _Psum.apply(x, ax, grad_psum) / post
+
+
 def pmean(tree, axis: AxisName, *, mesh: Mesh | None = None):
     """Mean of every leaf over ``axis``; backward is pmean (varying rule).
 
@@ -391,7 +401,7 @@ def pmean(tree, axis: AxisName, *, mesh: Mesh | None = None):
 
     def prepare(path, x):
         _check_mean("pmean", ax, path, x)
-        return lambda: _Psum.apply(x, ax, True) / ax.size if ax.size > 1 else x
+        return lambda: _mean(x, ax, True) if ax.size > 1 else x
 
     return _run("pmean", ax, tree, prepare)
 
@@ -441,7 +451,7 @@ def pmean_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
 
     def prepare(path, x):
         _check_mean("pmean_invariant", ax, path, x)
-        return lambda: _Psum.apply(x, ax, False) / ax.size if ax.size > 1 else x
+        return lambda: _mean(x, ax, False) if ax.size > 1 else x
 
     return _run("pmean_invariant", ax, tree, prepare)
 

@@ -309,6 +309,10 @@ def _redirect_stderr(stderr_path: str, crash_path: str) -> Any:
     return crash_file
 
 
+_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                     "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_PORT")
+
+
 def main(
     rank: int, size: int, store_path: str, pg_timeout_s: float, check: bool,
     cmd: Connection, watch: Connection, progress: Any, stderr_path: str, crash_path: str,
@@ -320,6 +324,12 @@ def main(
     # name resolves to), and any env:// rendezvous fn might make on 127.0.0.1.
     os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
+    # A local world started under torchrun must not look launched by it (sf.Mesh and
+    # sf.distributed.initialize read these): this process's world is the local one.
+    for name in _LAUNCH_VARIABLES:
+        os.environ.pop(name, None)
+    for name in [n for n in os.environ if n.startswith("TORCHELASTIC_")]:
+        os.environ.pop(name)
     import torch
     import torch.distributed as dist
 

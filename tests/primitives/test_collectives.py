@@ -512,3 +512,24 @@ def test_bad_static_arguments_are_refused_locally(worlds):
     assert errors[5].startswith("TypeError") and "dim must be an int" in errors[5]
     assert errors[6].startswith("ValueError") and "needs dim 0 of size 2" in errors[6]
     assert errors[7].startswith("TypeError") and "perm is a sequence" in errors[7]
+
+
+def _fp16_means(value: float):
+    import torch.distributed as dist
+
+    import shardfn as sf
+
+    mesh = sf.Mesh({"x": dist.get_world_size()})
+    x = torch.full((3,), value, dtype=torch.float16)
+    mean = sf.pmean(x, "x", mesh=mesh)
+    invariant = sf.pmean_invariant(x, "x", mesh=mesh)
+    return mean, invariant
+
+
+@pytest.mark.parametrize("n, value", [(2, 40000.0), (4, 30000.0)])
+def test_fp16_pmean_of_a_mean_that_fits_does_not_overflow(worlds, n, value):
+    # a plain sum first would give inf (2 * 40000 > 65504); FSDP2's pre/post division doesn't
+    for mean, invariant in worlds(n).run(_fp16_means, value):
+        expected = torch.full((3,), value, dtype=torch.float16)
+        assert_close(mean, expected)
+        assert_close(invariant, expected)

@@ -333,3 +333,22 @@ def test_check_mode_follows_environment_and_override(monkeypatch):
         with LocalWorld(1, check=check) as world:
             assert world.check is expected
             assert world.run(consistency.enabled) == [expected]
+
+
+def _mesh_of_the_world() -> tuple:
+    import os
+
+    import shardfn as sf
+
+    mesh = sf.Mesh({"dp": dist.get_world_size() if dist.is_initialized() else 1})
+    return mesh.size("dp"), os.environ.get("WORLD_SIZE")
+
+
+def test_a_world_started_under_torchrun_ignores_its_launch_variables(monkeypatch):
+    # A notebook or test launched by torchrun: the workers must not see torchrun's world.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    with LocalWorld(1) as world:
+        assert world.run(_mesh_of_the_world) == [(1, None)]
