@@ -512,7 +512,9 @@ def _leaf_hash(leaf: Any) -> str:
             t = _unwrap_functorch(leaf).detach()
             h.update(_describe_leaf(t).encode())
             if t.device.type != "meta":  # a meta tensor has no values: shape and dtype only
-                t = t.to("cpu").resolve_conj().resolve_neg().contiguous().reshape(-1)
+                t = t.to("cpu")
+                t = t.to_dense() if t.layout != torch.strided else t  # sparse: its values
+                t = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
                 h.update(memoryview(t.view(torch.uint8).numpy()))
     else:
         h.update(repr(leaf).encode())

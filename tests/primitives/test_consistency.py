@@ -690,3 +690,18 @@ def test_check_raises_exactly_when_ranks_differ(worlds, case):
     message = _same_error_everywhere(results, "disagree at collective #1")
     for rank, (op, _, _) in enumerate(calls):
         assert f"rank {rank}: {op}(" in message
+
+
+def test_leaf_hash_covers_layouts_and_dtypes():
+    """Equal values hash equal whatever the layout; any other value, dtype or shape differs."""
+    h = consistency._leaf_hash
+    dense = torch.arange(6.0).reshape(2, 3)
+    assert h(dense) == h(dense.t().contiguous().t()) == h(dense.to_sparse())
+    assert h(dense) != h(dense.to(torch.float64)) and h(dense) != h(dense.reshape(3, 2))
+    assert h(dense) != h(dense + 1e-6)
+    z = torch.ones(3, dtype=torch.complex64) * (1 + 2j)
+    assert h(z.conj()) == h(z.conj().resolve_conj()) != h(z)
+    assert h(torch.zeros(2)) != h(-torch.zeros(2))  # bitwise
+    for leaf in (torch.tensor(True), torch.zeros(0, 3), torch.ones(2, dtype=torch.bfloat16),
+                 torch.empty(2, device="meta"), 3, "s"):
+        assert len(h(leaf)) == 16
