@@ -342,8 +342,9 @@ def test_checks_in_forward_and_backward_under_torch_func(worlds):
 def test_mismatch_in_backward_under_grad_raises_on_every_rank(worlds):
     _same_error_everywhere(worlds(2).run(_checked, _under_transforms, True),
                            "disagree at collective #2", "argument tag= (0 vs 1)",
-                           "rank 0: f.backward(float32[3], tag=0)",
-                           "rank 1: f.backward(float32[3], tag=1)")
+                           "rank 0: f.backward(float32[3], tag=0) at ",
+                           "rank 1: f.backward(float32[3], tag=1) at ",
+                           "in backward")  # user code: the Function's own backward
 
 
 def _vmap_per_example_shapes(rank, ax):
@@ -705,3 +706,65 @@ def test_leaf_hash_covers_layouts_and_dtypes():
     for leaf in (torch.tensor(True), torch.zeros(0, 3), torch.ones(2, dtype=torch.bfloat16),
                  torch.empty(2, device="meta"), 3, "s"):
         assert len(h(leaf)) == 16
+
+
+def _sites_in_forward_and_backward(rank, ax):
+    import os
+
+    import shardfn as sf
+
+    mesh = sf.Mesh({"x": 2})
+    # a backward whose code lives in the shardfn package (as shardfn's own Functions do)
+    code = compile("def library_backward(ax, g):\n    check_call('lib.backward', ax, g)\n",
+                   os.path.join(os.path.dirname(sf.__file__), "_pretend_library.py"), "exec")
+    namespace = {"check_call": consistency.check_call}
+    exec(code, namespace)
+
+    class Library(torch.autograd.Function):
+        @staticmethod
+        def forward(x, ax):
+            return x.clone()
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.ax = inputs[1]
+
+        @staticmethod
+        def backward(ctx, g):
+            namespace["library_backward"](ctx.ax, g)
+            return g, None
+
+    Library.backward.__code__ = Library.backward.__code__.replace(
+        co_filename=os.path.join(os.path.dirname(sf.__file__), "_pretend_library.py"))
+    seen = []
+    exchange = consistency._exchange
+
+    def spy(ax, fp, label):
+        seen.append((fp["op"], fp["site"]))
+        return exchange(ax, fp, label)
+
+    consistency._exchange = spy
+    try:
+        def loss(x):
+            return Library.apply(sf.psum(x, "x", mesh=mesh), ax).sum()  # FORWARD SITE
+
+        torch.func.grad(loss)(torch.ones(3))  # BACKWARD SITE
+    finally:
+        consistency._exchange = exchange
+    return seen
+
+
+def test_sites_skip_shardfn_and_torch_frames(worlds):
+    """The forward's site is the user's psum line; a check in a backward run by library code
+    names the line that called grad."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(_sites_in_forward_and_backward)
+    forward = first + next(i for i, text in enumerate(lines) if "FORWARD SITE" in text)
+    backward = first + next(i for i, text in enumerate(lines) if "BACKWARD SITE" in text)
+    (kind, seen), _ = worlds(2).run(_checked, _sites_in_forward_and_backward)
+    assert kind == "ok", seen
+    assert [op for op, _ in seen] == ["psum", "lib.backward"], seen
+    assert seen[0][1].endswith(f"test_consistency.py:{forward} in loss"), seen
+    assert seen[1][1].endswith(
+        f"test_consistency.py:{backward} in _sites_in_forward_and_backward"), seen
