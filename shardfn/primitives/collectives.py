@@ -276,19 +276,24 @@ class _Broadcast(torch.autograd.Function):
 
 def _run(op: str, ax: Axis, tree, prepare: Callable[[str, torch.Tensor], Callable[[], Any]],
          **static: Any):
-    """Validate each leaf with ``prepare(path, x)`` (it returns the leaf's work), hook, run.
+    """Check-mode hook, validate each leaf with ``prepare(path, x)`` (it returns the leaf's
+    work), run.
+
+    The hook comes first: a leaf that is valid on one rank and not on another (its shape
+    differs) then raises ConsistencyError on every rank at once, rather than a local
+    error on one rank while the others wait for it at the next check.
 
     Raises:
         TypeError: naming the leaf, for a leaf that is not a tensor.
     """
+    if ax.size > 1:
+        consistency.check_call(op, ax, tree, **static)
     names, leaves, treedef = pytree.tree_flatten_with_path(tree)
     work = []
     for path, x in zip(names, leaves, strict=True):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{op}: leaf {path!r} is a {type(x).__name__}, not a Tensor")
         work.append(prepare(path, x))
-    if ax.size > 1:
-        consistency.check_call(op, ax, tree, **static)
     return pytree.tree_unflatten(treedef, [run() for run in work])
 
 

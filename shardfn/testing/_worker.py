@@ -346,6 +346,8 @@ def main(
         daemon=True, name="shardfn-watchdog",
     ).start()
     try:
+        check_timeout = _optional("shardfn.primitives.consistency", "check_timeout")
+        initial_timeout = check_timeout() if check_timeout is not None else None
         if set_check is not None:
             set_check(check)
         if size > 1:  # a world of one runs with no process group at all
@@ -380,8 +382,8 @@ def main(
         try:
             if reset_state is not None:
                 reset_state()
-            if set_check is not None:
-                set_check(check)
+            if set_check is not None:  # a run may have changed the mode or its timeout
+                set_check(check, timeout=initial_timeout)
             if reset_check is not None:
                 reset_check()
             payload = cloudpickle.dumps(reply)
