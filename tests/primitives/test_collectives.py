@@ -418,7 +418,7 @@ def test_integer_and_bool_leaves(worlds):
         assert err is not None and "leaf 'n'" in err and "Cast it first" in err
 
 
-def test_check_mode_hook_once_per_call_after_validation(worlds):
+def test_check_mode_hook_once_per_call_before_leaf_validation(worlds):
     """Every public collective calls consistency.check_call once per call (not per leaf), with
     its static arguments, after validating, and not on an axis of one rank."""
 
@@ -461,8 +461,12 @@ def test_check_mode_hook_once_per_call_after_validation(worlds):
     calls = worlds(2).run(on_rank)[0]
     assert [c[0] for c in calls] == ["psum", "pmean", "psum_invariant", "pmean_invariant",
                                      "pvary", "all_gather", "psum_scatter", "all_to_all",
-                                     "ppermute", "broadcast", "all_gather"]
-    assert all(c[1] == ("x",) and c[2] == ["a", "b"] for c in calls[:-1])
+                                     "ppermute", "broadcast", "all_gather",
+                                     # leaves are validated after the hook (a leaf bad on one
+                                     # rank only must not leave the others waiting); static
+                                     # arguments (the bad perm) before it
+                                     "psum_scatter", "all_to_all", "pmean"]
+    assert all(c[1] == ("x",) and c[2] == ["a", "b"] for c in calls[:10])
     assert calls[5][3] == {"dim": 1, "tiled": False}
     assert calls[6][3] == {"dim": 0, "tiled": True}
     assert calls[7][3] == {"split_dim": 0, "concat_dim": 1}
