@@ -1,0 +1,124 @@
+"""Every private PyTorch name shardfn relies on, in one place, behind a version check.
+
+shardfn needs a few things torch does not offer publicly: the functional
+collective ops (the only ones that run inside an ``autograd.Function``'s
+backward under ``torch.func``), functorch's wrapper and interpreter-stack
+queries, the dispatch-mode base class, torch's own pytree (to walk the
+arguments a dispatch mode sees), FSDP's storage resize op, and the default
+process group's store. Each is bound here once; the rest of the package
+imports it from this module (``tests/test_architecture.py`` fails on a private
+name anywhere else), and ``tests/test_torch_internals.py`` checks that each
+still behaves as shardfn relies on, so a torch upgrade shows exactly what
+broke.
+
+On a torch release outside :data:`TESTED_TORCH` the import raises, naming the
+release; ``SHARDFN_ALLOW_UNTESTED_TORCH=1`` proceeds with a warning (the
+per-internal tests then say what still holds).
+
+Example:
+    >>> from shardfn import _torch_internals as ti
+    >>> ti.unwrap_functorch(torch.ones(2)).shape
+    torch.Size([2])
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TESTED_TORCH",
+    "TorchDispatchMode",
+    "DisableFuncTorch",
+    "TransformType",
+    "c10d_functional",
+    "default_store",
+    "get_interpreter_stack",
+    "get_unwrapped",
+    "in_transform",
+    "is_functorch_wrapped",
+    "process_groups",
+    "resize_storage_bytes_",
+    "temporarily_clear_interpreter_stack",
+    "torch_tree_flatten",
+    "torch_tree_leaves",
+    "torch_tree_unflatten",
+    "unwrap_functorch",
+]
+
+TESTED_TORCH: tuple[str, ...] = ("2.13",)
+
+
+def _check_version(version: str) -> None:
+    release = ".".join(version.split("+")[0].split(".")[:2])
+    if release in TESTED_TORCH:
+        return
+    message = (f"shardfn is tested with torch {', '.join(TESTED_TORCH)}, not {version}: it relies "
+               "on private torch internals (shardfn/_torch_internals.py) that may have changed")
+    if os.environ.get("SHARDFN_ALLOW_UNTESTED_TORCH", "") not in ("", "0"):
+        warnings.warn(message + "; proceeding because SHARDFN_ALLOW_UNTESTED_TORCH is set",
+                      RuntimeWarning, stacklevel=3)
+        return
+    raise ImportError(message + ". Install a tested torch (pip install torch==2.13.0) or set "
+                      "SHARDFN_ALLOW_UNTESTED_TORCH=1 and run tests/test_torch_internals.py.")
+
+
+_check_version(torch.__version__)
+
+# ---- collectives -------------------------------------------------------------------------
+#: ``torch.ops._c10d_functional``: all_reduce, all_gather_into_tensor, reduce_scatter_tensor,
+#: all_to_all_single, broadcast, wait_tensor (work inside autograd.Function backward under
+#: torch.func, where plain ``torch.distributed`` calls fail).
+c10d_functional = torch.ops._c10d_functional
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (``distributed_c10d._get_default_store``)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def process_groups() -> list:
+    """Every process group this process created (``distributed_c10d._world.pg_map``)."""
+    from torch.distributed import distributed_c10d
+
+    return list(distributed_c10d._world.pg_map)
+
+
+# ---- functorch ---------------------------------------------------------------------------
+is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+get_unwrapped = torch._C._functorch.get_unwrapped
+get_interpreter_stack = torch._C._functorch.get_interpreter_stack
+TransformType = torch._C._functorch.TransformType
+#: context manager: ops run on plain tensors, not re-wrapped by an active grad/vmap level
+DisableFuncTorch = torch._C._DisableFuncTorch
+
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack  # noqa: E402
+
+
+def unwrap_functorch(x: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under every functorch wrapper (grad and vmap levels)."""
+    while is_functorch_wrapped(x):
+        x = get_unwrapped(x)
+    return x
+
+
+def in_transform(kind: Any) -> bool:
+    """Whether a functorch transform of ``kind`` (a :data:`TransformType`) is active."""
+    return any(i.key() == kind for i in get_interpreter_stack() or ())
+
+
+# ---- dispatch and pytrees ----------------------------------------------------------------
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten as torch_tree_flatten  # noqa: E402
+from torch.utils._pytree import tree_leaves as torch_tree_leaves  # noqa: E402
+from torch.utils._pytree import tree_unflatten as torch_tree_unflatten  # noqa: E402
+
+# ---- storage -----------------------------------------------------------------------------
+#: FSDP's in-place storage resize as an op (``resize_storage_bytes_(t, nbytes)``), visible to
+#: dispatch modes; the public alternative is ``t.untyped_storage().resize_(nbytes)``.
+resize_storage_bytes_ = torch.ops.inductor.resize_storage_bytes_
