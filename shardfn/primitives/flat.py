@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from shardfn import pytree
+from shardfn._torch_internals import c10d_functional as _ops
 from shardfn.primitives import _comm, stats
 from shardfn.primitives._comm import Axis
 from shardfn.primitives._poster import Posting, submit
@@ -69,8 +70,6 @@ __all__ = [
 
 Piece = tuple[int, int, int]
 """``(leaf, lo, hi)``: the flattened elements ``[lo, hi)`` of leaf number ``leaf``."""
-
-_ops = torch.ops._c10d_functional
 
 
 @dataclasses.dataclass(frozen=True)
