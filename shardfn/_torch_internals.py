@@ -38,6 +38,7 @@ __all__ = [
     "default_store",
     "get_interpreter_stack",
     "get_unwrapped",
+    "group_sequence_number",
     "in_transform",
     "is_functorch_wrapped",
     "process_groups",
@@ -87,6 +88,11 @@ def process_groups() -> list:
     from torch.distributed import distributed_c10d
 
     return list(distributed_c10d._world.pg_map)
+
+
+def group_sequence_number(group: Any) -> int:
+    """Collectives issued on ``group`` so far (``ProcessGroup._get_sequence_number_for_group``)."""
+    return group._get_sequence_number_for_group()
 
 
 # ---- functorch ---------------------------------------------------------------------------
