@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from shardfn._torch_internals import is_functorch_wrapped
+
 if TYPE_CHECKING:
     from shardfn.optim.base import GradientTransformation
 
@@ -157,4 +159,4 @@ def same_dtypes(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
 
 
 def _wrapped(t: torch.Tensor) -> bool:
-    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+    return bool(is_functorch_wrapped(t))
