@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "BatchNormBase",
     "TESTED_TORCH",
     "TorchDispatchMode",
     "DisableFuncTorch",
@@ -128,3 +129,8 @@ from torch.utils._pytree import tree_unflatten as torch_tree_unflatten  # noqa: 
 #: FSDP's in-place storage resize as an op (``resize_storage_bytes_(t, nbytes)``), visible to
 #: dispatch modes; the public alternative is ``t.untyped_storage().resize_(nbytes)``.
 resize_storage_bytes_ = torch.ops.inductor.resize_storage_bytes_
+
+# ---- modules -----------------------------------------------------------------------------
+#: the common base of ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` (torch.nn's private
+#: ``_BatchNorm``): ``sf.sync_batch_norm``'s layer subclasses it, as those layers do.
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # noqa: E402
