@@ -1,7 +1,7 @@
 """Adam and AdamW (torch.optim.Adam / torch.optim.AdamW), as pure transforms.
 
 The arithmetic is torch.optim's, op for op, over the flat leaf list with
-``torch._foreach_*`` kernels (t = number of this update, 1-based):
+``torch._foreach_add_``-style kernels (t = number of this update, 1-based):
 
     g = g + weight_decay * p                    Adam's L2 decay (adam only)
     m = lerp(m, g, 1 - b1)                      = b1 * m + (1 - b1) * g

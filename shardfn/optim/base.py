@@ -36,7 +36,7 @@ from shardfn.optim._tree import (
     is_frozen,
     leaves_like,
 )
-from shardfn.optim.donation import current_donation, writable_in_place
+from shardfn.optim.donation import current_donation, donated, writable_in_place
 
 PyTree = Any
 Schedule = Callable[[torch.Tensor], float | torch.Tensor]
@@ -50,6 +50,7 @@ __all__ = [
     "Schedule",
     "apply_updates",
     "chain",
+    "donating",
     "identity",
     "scale",
     "scale_by_schedule",
@@ -131,6 +132,35 @@ def check_scalar(
     if value < low or (high is not None and value >= high):
         bound = f"[{low}, {high})" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def donating(opt: GradientTransformation) -> GradientTransformation:
+    """``opt`` whose ``update`` donates its ``updates`` (gradients) and ``state`` arguments.
+
+    The caller must not use the gradients or the state it passed in after the
+    call (the returned state and updates may share their memory). ``init`` is
+    unchanged. Adam/AdamW, SGD, ``scale``, ``scale_by_schedule``,
+    ``clip_by_global_norm`` and ``set_to_zero`` write in place; ``chain``,
+    ``masked`` and ``multi_transform`` pass the donation on to what they wrap.
+
+    Args:
+        opt: any :class:`GradientTransformation`.
+
+    Returns:
+        A :class:`GradientTransformation` with the same state.
+
+    Example:
+        >>> opt = donating(chain(clip_by_global_norm(1.0), adamw(1e-3)))
+        >>> updates, state = opt.update(grads, state, params)
+    """
+    if not isinstance(opt, GradientTransformation):
+        raise TypeError(f"donating expects a GradientTransformation, got {type(opt).__name__}")
+
+    def update(updates, state, params=None):
+        with donated(updates=True, state=True):
+            return opt.update(updates, state, params)
+
+    return GradientTransformation(opt.init, update)
 
 
 def apply_updates(params: PyTree, updates: PyTree, *, donate: bool = False) -> PyTree:
