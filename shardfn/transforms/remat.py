@@ -5,6 +5,9 @@ backward recomputes ``fn`` instead of keeping its intermediates. It is one
 ``autograd.Function`` (forward + ``setup_context`` style, so ``torch.func.grad``,
 ``grad_and_value``, ``vjp`` and ``vmap`` accept it):
 
+The two dispatch modes are :mod:`shardfn.transforms.recording`'s (shared with
+``shard_params``), which documents how ops are recorded and matched:
+
 * **forward** runs ``fn`` under ``no_grad`` inside a *recording* dispatch mode.
   The policy looks at every op; the outputs of the ops it saves are kept (moved
   to CPU first for offloaded ones). The tensor inputs are saved for backward and
