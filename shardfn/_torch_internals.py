@@ -55,6 +55,15 @@ TESTED_TORCH: tuple[str, ...] = ("2.13",)
 
 
 def _check_version(version: str) -> None:
+    """Raise unless ``version``'s release (``"2.13"`` of ``"2.13.0+cpu"``) is in TESTED_TORCH.
+
+    Args:
+        version: a torch version string.
+
+    Raises:
+        ImportError: for an untested release, naming it and what to do; with
+            ``SHARDFN_ALLOW_UNTESTED_TORCH`` set (not ``0``) it warns instead.
+    """
     release = ".".join(version.split("+")[0].split(".")[:2])
     if release in TESTED_TORCH:
         return
