@@ -266,3 +266,14 @@ def test_batch_norm_base_is_the_base_of_torch_batch_norms():
     ours, theirs = Plain(3), nn.BatchNorm1d(3)
     torch.testing.assert_close(ours(x), theirs(x))
     torch.testing.assert_close(ours.running_mean, theirs.running_mean)
+
+
+def test_every_internal_has_a_test_here():
+    """A name added to ``_torch_internals.__all__`` gets a behaviour test in this file."""
+    import inspect
+    import sys
+
+    source = inspect.getsource(sys.modules[__name__]).split("def test_every_internal")[0]
+    untested = [n for n in ti.__all__ if f"ti.{n}" not in source]
+    assert not untested, f"internals without a test in {__file__}: {untested}"
+    assert all(hasattr(ti, n) for n in ti.__all__)
