@@ -74,20 +74,8 @@ from shardfn.primitives._functions import (
 )
 from shardfn.primitives.reduce_scaling import divide_factors
 
-__all__ = [
-    "all_gather",
-    "all_to_all",
-    "axis_index",
-    "axis_size",
-    "broadcast",
-    "pmean",
-    "pmean_invariant",
-    "ppermute",
-    "psum",
-    "psum_invariant",
-    "psum_scatter",
-    "pvary",
-]
+__all__ = ["all_gather", "all_to_all", "axis_index", "axis_size", "broadcast", "pmean",
+           "pmean_invariant", "ppermute", "psum", "psum_invariant", "psum_scatter", "pvary"]
 
 
 # ---- public API ------------------------------------------------------------------
@@ -170,13 +158,7 @@ def pmean(tree, axis: AxisName, *, mesh: Mesh | None = None):
     Example:
         >>> grads = sf.pmean(grads, "dp")
     """
-    ax = _comm.resolve(axis, mesh)
-
-    def prepare(path, x):
-        check_mean("pmean", ax, path, x)
-        return lambda: _mean(x, ax, True) if ax.size > 1 else x
-
-    return _run("pmean", ax, tree, prepare)
+    return _mean_over("pmean", tree, axis, mesh, grad_psum=True)
 
 
 def psum_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
@@ -209,24 +191,25 @@ def psum_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
 def pmean_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
     """Mean over ``axis`` whose backward is the identity divided by the axis size.
 
-    Args:
-        tree: a tensor or pytree of floating or complex tensors.
-        axis: a mesh axis name or a tuple of names.
-        mesh: overrides the current mesh.
-
-    Returns:
-        The tree of means.
+    The loss every rank then computes is counted once: its gradient reaches each rank's
+    local value divided by the axis size, not summed. Arguments and dtypes as in
+    :func:`pmean`.
 
     Example:
         >>> loss = sf.pmean_invariant(local_loss, "dp")
     """
+    return _mean_over("pmean_invariant", tree, axis, mesh, grad_psum=False)
+
+
+def _mean_over(op: str, tree, axis: AxisName, mesh: Mesh | None, grad_psum: bool):
+    """pmean (``grad_psum``: the varying rule) or pmean_invariant of every leaf."""
     ax = _comm.resolve(axis, mesh)
 
     def prepare(path, x):
-        check_mean("pmean_invariant", ax, path, x)
-        return lambda: _mean(x, ax, False) if ax.size > 1 else x
+        check_mean(op, ax, path, x)
+        return lambda: _mean(x, ax, grad_psum) if ax.size > 1 else x
 
-    return _run("pmean_invariant", ax, tree, prepare)
+    return _run(op, ax, tree, prepare)
 
 
 def pvary(tree, axis: AxisName, *, mesh: Mesh | None = None):

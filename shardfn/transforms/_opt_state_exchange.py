@@ -9,7 +9,7 @@
   ZeRO-2, which frees every ``.grad`` once its buckets are reduced).
 
 All of them move the buckets with the piece exchange of
-:mod:`shardfn.primitives.flat`, with the tags of :mod:`shardfn.primitives.buckets`.
+:mod:`shardfn.primitives.piece_exchange`, with the tags of :mod:`shardfn.primitives.buckets`.
 Non-floating leaves (integer buffers) are never sent: their parts are zeros.
 
 Example:
@@ -27,18 +27,15 @@ from shardfn import pytree
 from shardfn.optim.donation import writable_in_place
 from shardfn.primitives import stats
 from shardfn.primitives.buckets import IN_FLIGHT, BucketSchedule, gather_tag, reduce_tag
-from shardfn.primitives.flat import (
+from shardfn.primitives.flat import FlatPartition, leaf_divide_factors, piece_divisors, weight_share
+from shardfn.primitives.grad_hooks import GradHooks
+from shardfn.primitives.piece_exchange import (
     BucketPlan,
     Exchange,
-    FlatPartition,
     finish_reduce_scatter,
-    leaf_divide_factors,
-    piece_divisors,
     start_all_gather,
     start_reduce_scatter,
-    weight_share,
 )
-from shardfn.primitives.grad_hooks import GradHooks
 from shardfn.primitives.reduce_scaling import divide_factors
 
 __all__ = ["ReducedGrads", "ZeroOverlap", "all_gather_updates", "reduce_scatter_grads"]

@@ -145,17 +145,10 @@ class ShardedOptimizer(NamedTuple):
     all_finite: Callable | None = None
 
 
-def shard_opt_state(
-    opt: GradientTransformation,
-    mesh: Mesh,
-    axis: AxisName = "dp",
-    *,
-    shard_grads: bool = False,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    average: bool = True,
-    precision: Precision | None = None,
-    donate: bool = False,
-) -> ShardedOptimizer:
+def shard_opt_state(opt: GradientTransformation, mesh: Mesh, axis: AxisName = "dp", *,
+                    shard_grads: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                    average: bool = True, precision: Precision | None = None,
+                    donate: bool = False) -> ShardedOptimizer:
     """Shard ``opt``'s state (and the gradient reduction) over ``axis`` (ZeRO-1/2).
 
     Args:
