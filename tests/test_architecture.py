@@ -200,6 +200,52 @@ def test_no_import_cycles():
     assert not cycles, "import cycles among shardfn's modules:\n" + "\n".join(lines)
 
 
+#: shardfn's layers, lowest first: a module imports only from its own layer or lower ones
+#: (a name covers that module and its submodules; ``shardfn`` alone is the package's
+#: ``__init__``, the public API on top)
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("foundations", ("shardfn._torch_internals", "shardfn.pytree", "shardfn.mesh")),
+    ("collectives", ("shardfn.primitives", "shardfn.distributed")),
+    ("specs", ("shardfn.spec",)),
+    ("models and memory", ("shardfn.functional", "shardfn._functional_init",
+                           "shardfn._functional_leaves", "shardfn.memory")),
+    ("optimizers", ("shardfn.optim",)),
+    ("transforms", ("shardfn.transforms",)),
+    ("public API and test worlds", ("shardfn", "shardfn.testing")),
+)
+
+
+def layer_of(module: str) -> int | None:
+    """The index in :data:`LAYERS` of the longest name that covers ``module`` (None: none)."""
+    best: tuple[int, int] | None = None  # (prefix length, layer)
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or (prefix != "shardfn" and module.startswith(prefix + ".")):
+                if best is None or len(prefix) > best[0]:
+                    best = (len(prefix), index)
+    return None if best is None else best[1]
+
+
+def test_layer_of():
+    assert layer_of("shardfn._torch_internals") == 0
+    assert layer_of("shardfn.primitives.flat") == 1 < layer_of("shardfn.transforms.remat") == 5
+    assert layer_of("shardfn") == layer_of("shardfn.testing.local_world") == len(LAYERS) - 1
+    assert layer_of("shardfn.new_module") is None
+
+
+def test_layers_import_only_downwards():
+    """Nothing lower in shardfn imports anything higher (the cycle test cannot see a layer
+    reaching up without a loop back); a new top-level module must be given a layer."""
+    graph, modules = import_graph(), _module_files()
+    unplaced = sorted(m for m in graph if layer_of(m) is None)
+    assert not unplaced, f"modules with no layer in LAYERS: {unplaced}"
+    upward = [f"  {_rel(modules[a])}:{line} ({LAYERS[layer_of(a)][0]}) imports {b} "
+              f"({LAYERS[layer_of(b)][0]})"
+              for a, edges in sorted(graph.items()) for b, line in sorted(edges.items())
+              if layer_of(b) > layer_of(a)]
+    assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
+
+
 # --- private torch names ---------------------------------------------------------------
 
 #: ``torch.<...>._x`` (any private attribute or module under torch), ``torch.ops.inductor``
