@@ -241,15 +241,17 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+def _stateless(params) -> EmptyState:
+    """The ``init`` of a transform that keeps no state."""
+    return EmptyState()
+
+
 def identity() -> GradientTransformation:
     """Pass updates through unchanged (stateless).
 
     Example:
         >>> multi_transform({"train": adam(1e-3), "keep": identity()}, labels)
     """
-
-    def init(params):
-        return EmptyState()
 
     def update(updates, state, params=None):
         leaves, treedef = flatten_tensors(updates, "updates")
@@ -258,7 +260,7 @@ def identity() -> GradientTransformation:
                 treedef, [frozen_zero(u) if is_frozen(u) else u for u in leaves]), state
         return updates, state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(_stateless, update)
 
 
 def set_to_zero() -> GradientTransformation:
@@ -268,9 +270,6 @@ def set_to_zero() -> GradientTransformation:
         >>> multi_transform({"train": adam(1e-3), "frozen": set_to_zero()}, labels)
     """
 
-    def init(params):
-        return EmptyState()
-
     def update(updates, state, params=None):
         leaves, treedef = flatten_tensors(updates, "updates")
         if leaves and current_donation().updates and writable_in_place(leaves):
@@ -278,7 +277,7 @@ def set_to_zero() -> GradientTransformation:
             return updates, state
         return pytree.tree_map(torch.zeros_like, updates), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(_stateless, update)
 
 
 def scale(factor: float) -> GradientTransformation:
@@ -290,14 +289,11 @@ def scale(factor: float) -> GradientTransformation:
     check_scalar(factor, "factor", low=-float("inf"))
     factor = float(factor)
 
-    def init(params):
-        return EmptyState()
-
     def update(updates, state, params=None):
         leaves, treedef = flatten_tensors(updates, "updates")
         return pytree.tree_unflatten(treedef, _scaled(leaves, factor)), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(_stateless, update)
 
 
 def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
