@@ -246,6 +246,33 @@ def test_layers_import_only_downwards():
     assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
 
 
+#: the shard_params package's modules in the order its docstring gives: each imports only
+#: modules before it (placement/choose, plan, exchange, the call's parts, api)
+SHARD_PARAMS_ORDER = ("placement", "choose", "plan", "exchange", "tree", "unit_modes",
+                      "accumulator", "prefetch", "deferred", "functions", "backward", "call",
+                      "api")
+
+
+def test_shard_params_layers_import_only_downwards():
+    """plan <- exchange <- call <- api: nothing lower in the package imports anything
+    higher (the package's ``__init__`` re-exports from any of them)."""
+    package = "shardfn.transforms.shard_params"
+    graph, modules = import_graph(), _module_files()
+    if package not in graph or modules[package].name != "__init__.py":
+        return  # not a package yet: test_no_import_cycles covers its files
+    inside = sorted(m.removeprefix(package + ".") for m in graph if m.startswith(package + "."))
+    unplaced = [m for m in inside if m not in SHARD_PARAMS_ORDER]
+    assert not unplaced, f"shard_params modules with no place in SHARD_PARAMS_ORDER: {unplaced}"
+    upward = []
+    for name in inside:
+        for target, line in sorted(graph[f"{package}.{name}"].items()):
+            other = target.removeprefix(package + ".")
+            if other in SHARD_PARAMS_ORDER and \
+                    SHARD_PARAMS_ORDER.index(other) > SHARD_PARAMS_ORDER.index(name):
+                upward.append(f"  {_rel(modules[package + '.' + name])}:{line} imports {other}")
+    assert not upward, "shard_params: a lower module imports a higher one:\n" + "\n".join(upward)
+
+
 # --- private torch names ---------------------------------------------------------------
 
 #: ``torch.<...>._x`` (any private attribute or module under torch), ``torch.ops.inductor``
