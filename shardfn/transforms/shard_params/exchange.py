@@ -19,12 +19,12 @@ packed before the collective or unpacked after it.
 * :class:`UnitReduce` sends every other rank its rows of each full gradient
   and sums the rows this rank owns into zero-padded shard gradients.
 
-Both use the piece exchange of :mod:`shardfn.primitives.flat` (gloo point-to-point
-sends and receives, about twice as fast as gloo's all_gather / reduce_scatter on
-a 2-rank CPU world, and free of their copies), posted from a background thread on
-CPU (:mod:`shardfn.primitives._poster`: gloo's connection lock would otherwise
-stall the compute thread behind a transfer in flight). Every exchange of a step
-gets its own tag (from :data:`shardfn.primitives.tags.UNITS`), so several may be in
+Both use the piece exchange of :mod:`shardfn.primitives.piece_exchange` (gloo
+point-to-point sends and receives, about twice as fast as gloo's all_gather /
+reduce_scatter on a 2-rank CPU world, and free of their copies), posted from a
+background thread on CPU (:mod:`shardfn.primitives._poster`: gloo's connection lock
+would otherwise stall the compute thread behind a transfer in flight). Every exchange
+of an apply call gets its own tag (from :data:`shardfn.primitives.tags.UNITS`), so several may be in
 flight between the same ranks.
 
 * :class:`Reduction` wraps :class:`UnitReduce` with what a gradient needs around the
@@ -47,10 +47,10 @@ import torch
 from shardfn import _torch_internals as ti
 from shardfn.primitives import _comm, stats
 from shardfn.primitives._comm import Axis
-from shardfn.primitives.flat import (
+from shardfn.primitives.flat import all_reduce_async
+from shardfn.primitives.piece_exchange import (
     BucketPlan,
     Exchange,
-    all_reduce_async,
     finish_reduce_scatter,
     start_all_gather,
     start_reduce_scatter,
