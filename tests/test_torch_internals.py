@@ -44,6 +44,23 @@ def test_version_check_warns_when_untested_torch_is_allowed(monkeypatch):
         ti._check_version(f"{ti.TESTED_TORCH[0]}.0")  # a tested release never warns
 
 
+def test_importing_shardfn_on_an_untested_torch_fails_with_the_reason():
+    import os
+    import subprocess
+    import sys
+
+    code = "import torch; torch.__version__ = '9.1.0'; import shardfn"
+    env = {k: v for k, v in os.environ.items() if k != "SHARDFN_ALLOW_UNTESTED_TORCH"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert run.returncode != 0
+    assert "ImportError: shardfn is tested with torch" in run.stderr and "9.1.0" in run.stderr
+    env["SHARDFN_ALLOW_UNTESTED_TORCH"] = "1"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert run.returncode == 0 and "RuntimeWarning" in run.stderr, run.stderr
+
+
 # --- functional collectives, the default store, process groups (2 ranks) ------------------
 
 
