@@ -3,7 +3,10 @@
 Each test reads the files under ``shardfn/`` as text (nothing is imported) and
 prints every offender with its place, so a failure says what to fix:
 
-* no import cycle among shardfn's modules;
+* no import cycle among shardfn's modules (imports inside functions count, those
+  under ``if TYPE_CHECKING:`` do not; dynamic ``importlib`` imports are not seen);
+* imports go one way: down :data:`LAYERS`, and down :data:`SHARD_PARAMS_ORDER`
+  inside the shard_params package;
 * no private torch name outside ``shardfn/_torch_internals.py``;
 * no file over :data:`MAX_LINES` lines;
 * no block of :data:`MIN_BLOCK` or more lines repeated inside the shard_params
@@ -377,6 +380,10 @@ def shard_params_files() -> list[Path]:
                    *transforms.glob("_units.py")])
 
 
+_FSTRING_TOKENS = {getattr(tokenize, n) for n in ("FSTRING_START", "FSTRING_MIDDLE",
+                                                  "FSTRING_END") if hasattr(tokenize, n)}
+
+
 def _shape(text: str) -> str:
     """The line with every name (not keywords) as ``N``, string as ``S`` and number as ``0``."""
     out = []
@@ -394,10 +401,6 @@ def _shape(text: str) -> str:
     except (tokenize.TokenError, IndentationError, SyntaxError):
         return text  # a line that does not tokenize alone (inside a string): compare as is
     return " ".join(out)
-
-
-_FSTRING_TOKENS = {getattr(tokenize, n) for n in ("FSTRING_START", "FSTRING_MIDDLE",
-                                                  "FSTRING_END") if hasattr(tokenize, n)}
 
 
 def _passed_over(tree: ast.AST) -> set[int]:
