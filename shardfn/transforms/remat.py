@@ -389,22 +389,3 @@ def remat(fn: Callable, policy: Policy = nothing_saveable) -> Callable:
         return call.unflatten_output(_RematFunction.apply(call, *call.tensors))
 
     return rematerialised
-
-
-# ----------------------------------------------------------------------------- old names
-# shard_params still imports these from here; they go once it imports shardfn.transforms.recording
-_base = recording.base_tensor
-_storage_ptr = recording.storage_ptr
-_Replayer = Replayer
-_Saved = Saved
-_CASTS = CASTS
-
-
-class _Recorder(Recorder):
-    """:class:`Recorder` under its old name, whose closure hook was ``_check_closure``."""
-
-    def check_closure(self, func, args, kwargs) -> None:
-        self._check_closure(func, args, kwargs)
-
-    def _check_closure(self, func, args, kwargs) -> None:
-        Recorder.check_closure(self, func, args, kwargs)
