@@ -61,6 +61,16 @@ def test_importing_shardfn_on_an_untested_torch_fails_with_the_reason():
     assert run.returncode == 0 and "RuntimeWarning" in run.stderr, run.stderr
 
 
+def test_a_missing_internal_fails_at_import_naming_it():
+    with pytest.raises(ImportError, match=r"relies on torch\.utils\._pytree\.no_such_name"):
+        ti._private("torch.utils._pytree", "no_such_name")
+    with pytest.raises(ImportError, match=r"relies on torch\._no_such_module\.x"):
+        ti._private("torch._no_such_module", "x")
+    with pytest.raises(ImportError, match=r"relies on torch\.ops\.inductor\.no_such_op"):
+        ti._ops("inductor", "resize_storage_bytes_", "no_such_op")
+    assert ti._ops("inductor", "resize_storage_bytes_") is torch.ops.inductor
+
+
 # --- functional collectives, the default store, process groups (2 ranks) ------------------
 
 
