@@ -13,7 +13,8 @@ broke.
 
 On a torch release outside :data:`TESTED_TORCH` the import raises, naming the
 release; ``SHARDFN_ALLOW_UNTESTED_TORCH=1`` proceeds with a warning (the
-per-internal tests then say what still holds).
+per-internal tests then say what still holds). On any release, an internal
+that torch does not have fails the import with an ``ImportError`` naming it.
 
 Example:
     >>> from shardfn import _torch_internals as ti
