@@ -7,6 +7,7 @@ gradients to it (in the master dtype) instead of reduce-scattering them;
 ``ShardedModel.accumulate_grads(mode="reduce_once")``.
 
 Example:
+    >>> step = reduce_once(sf.accumulate_grads(grad_and_value_fn, 4), 4, plan.token, plan_for)
     >>> with Accumulator(plan.token) as acc:
     ...     grads, loss = grad_fn(shards, micro_batch)       # no reduce-scatter
     >>> shard_grads = reduce_accumulated(plan, acc, grads)   # one per unit
@@ -15,7 +16,7 @@ Example:
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ import torch
 from shardfn.transforms.shard_params.exchange import Reduction, Tags
 from shardfn.transforms.shard_params.plan import Plan
 
-__all__ = ["Accumulator", "NoReduce", "reduce_accumulated"]
+__all__ = ["Accumulator", "NoReduce", "reduce_accumulated", "reduce_once"]
 
 Params = dict[str, torch.Tensor]
 
@@ -103,3 +104,36 @@ def reduce_accumulated(plan: Plan, accumulator: Accumulator,
                                           device=device)
         out.update(Reduction(plan, unit, grads, tags(), wanted).wait())
     return out
+
+
+def reduce_once(mean_fn: Callable, k: int, token: object,
+                plan_for: Callable[[Mapping[str, torch.dtype] | None], Plan]) -> Callable:
+    """``mean_fn`` (``sf.accumulate_grads`` of a ``grad_and_value``) with every unit's
+    reduction held back and made once, after the last of the ``k`` micro-batches.
+
+    Args:
+        mean_fn: ``fn(shards, batch, *rest) -> (grads, loss)``, the mean over ``k``
+            micro-batches of a loss calling the model's ``apply``.
+        k: the number of micro-batches.
+        token: the model's ``plan.token``.
+        plan_for: the model's plan for the leaves' dtypes as run (name -> dtype; None
+            when no backward ran: the model's own).
+
+    Returns:
+        ``fn(shards, batch, *rest) -> (grads, loss)``, ``grads`` a mapping like ``shards``.
+    """
+
+    def fn(shards: Any, batch: Any, *rest: Any) -> tuple[Any, torch.Tensor]:
+        if not isinstance(shards, Mapping):
+            raise TypeError(f"accumulate_grads(mode='reduce_once') needs the shards as a "
+                            f"mapping name -> tensor, got {type(shards).__name__}")
+        with Accumulator(token) as accumulator:  # every backward adds: no reduction
+            grads, loss = mean_fn(shards, batch, *rest)
+        grads = dict(grads)  # zeros for the reduced leaves: their sums are all here
+        plan = plan_for(accumulator.masters)  # every rank reduces every unit, in order
+        for name, grad in reduce_accumulated(plan, accumulator, grads).items():
+            if name in grads:
+                grads[name] = grads[name] + grad / k
+        return grads, loss
+
+    return fn

@@ -28,7 +28,7 @@ from shardfn.spec import Layout, shard
 from shardfn.transforms.accumulate import accumulate_grads
 from shardfn.transforms.precision import Precision, cast_floating
 from shardfn.transforms.remat import Policy, nothing_saveable
-from shardfn.transforms.shard_params.accumulator import Accumulator, reduce_accumulated
+from shardfn.transforms.shard_params.accumulator import reduce_once
 from shardfn.transforms.shard_params.call import ApplyCall
 from shardfn.transforms.shard_params.choose import UnitPolicy
 from shardfn.transforms.shard_params.functions import RootFn
@@ -82,10 +82,12 @@ class ShardedModel:
 
     @property
     def _units(self) -> tuple[Unit, ...]:
+        """The plan's units (read by tests that count a step's exchanges)."""
         return self._plan.units
 
     @property
     def _root(self) -> Unit:
+        """The plan's root unit."""
         return self._plan.root
 
     def init(self, seed: int, device: torch.device | str | None = None) -> Params:
@@ -297,23 +299,9 @@ class ShardedModel:
         mean_fn = accumulate_grads(torch.func.grad_and_value(loss_fn), num_micro_batches)
         if mode == "reduce_each":  # every micro-batch reduce-scatters: sf.accumulate_grads
             return mean_fn
-        k = num_micro_batches
-
-        def fn(shards: Any, batch: Any, *rest: Any) -> tuple[Any, torch.Tensor]:
-            if not isinstance(shards, Mapping):
-                raise TypeError(f"accumulate_grads(mode='reduce_once') needs the shards as a "
-                                f"mapping name -> tensor, got {type(shards).__name__}")
-            with Accumulator(self._plan.token) as accumulator:  # backward adds, no reduction
-                grads, loss = mean_fn(shards, batch, *rest)
-            grads = dict(grads)
-            plan = self._plan if accumulator.masters is None else self._plan_for(
-                tuple(accumulator.masters[name] for name in self.names))
-            for name, grad in reduce_accumulated(plan, accumulator, grads).items():
-                if name in grads:
-                    grads[name] = grads[name] + grad / k
-            return grads, loss
-
-        return fn
+        return reduce_once(mean_fn, num_micro_batches, self._plan.token, lambda masters: (
+            self._plan if masters is None
+            else self._plan_for(tuple(masters[name] for name in self.names))))
 
     def check(self, shards: Mapping[str, torch.Tensor]) -> None:
         """Raise a ``ValueError``/``TypeError`` naming the leaf unless ``shards`` fits ``specs``."""
