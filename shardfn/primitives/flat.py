@@ -15,11 +15,10 @@ empty). Optimizer transforms, masks and labels written for the full tree apply
 unchanged to it.
 
 The buckets move with the *piece exchange* of
-:mod:`shardfn.primitives.piece_exchange` (re-exported here: :class:`BucketPlan`,
-:func:`start_reduce_scatter`, :func:`finish_reduce_scatter`,
-:func:`start_all_gather`): point-to-point messages that read from and write to
-the leaves themselves, so no flat copy of the tree is made and padding is never
-sent. :attr:`FlatPartition.plans` gives every bucket's plan.
+:mod:`shardfn.primitives.piece_exchange`: point-to-point messages that read
+from and write to the leaves themselves, so no flat copy of the tree is made
+and padding is never sent. :attr:`FlatPartition.plans` gives every bucket's
+:class:`~shardfn.primitives.piece_exchange.BucketPlan`.
 
 Example:
     >>> part = FlatPartition.of({"w": torch.zeros(3, 2), "b": torch.zeros(3)}, 1, 0)
@@ -40,27 +39,11 @@ from shardfn import pytree
 from shardfn._torch_internals import c10d_functional as _ops
 from shardfn.primitives import _comm, stats
 from shardfn.primitives._comm import Axis
-from shardfn.primitives.piece_exchange import (
-    BucketPlan,
-    Exchange,
-    finish_reduce_scatter,
-    start_all_gather,
-    start_reduce_scatter,
-)
+from shardfn.primitives.piece_exchange import BucketPlan
 from shardfn.primitives.reduce_scaling import divide_factors
 
-__all__ = [
-    "BucketPlan",
-    "Exchange",
-    "FlatPartition",
-    "all_reduce_async",
-    "leaf_divide_factors",
-    "finish_reduce_scatter",
-    "piece_divisors",
-    "start_all_gather",
-    "start_reduce_scatter",
-    "weight_share",
-]
+__all__ = ["FlatPartition", "all_reduce_async", "leaf_divide_factors", "piece_divisors",
+           "weight_share"]
 
 @dataclasses.dataclass(frozen=True)
 class FlatPartition:

@@ -14,8 +14,8 @@ Two ways to use it, the same communication either way:
   reverse tree order, the order in which backward usually produces gradients.
 
 How a bucket is averaged: its leaves, laid end to end, are cut into ``N`` even
-blocks (see :mod:`shardfn.primitives.flat`); each rank receives every other
-rank's values of its own block and sums them in place (a reduce-scatter), then
+blocks (see :mod:`shardfn.primitives.piece_exchange`); each rank receives every
+other rank's values of its own block and sums them in place (a reduce-scatter), then
 sends its summed block to the others, who write it in place (an all-gather).
 The messages read and write the gradient tensors themselves: no flat copy is
 made. On gloo this is as fast as ``dist.all_reduce`` on a flat buffer, without
@@ -49,18 +49,15 @@ from shardfn.primitives.buckets import (
     gather_tag,
     reduce_tag,
 )
-from shardfn.primitives.flat import (
+from shardfn.primitives.flat import FlatPartition, leaf_divide_factors, piece_divisors, weight_share
+from shardfn.primitives.grad_hooks import GradHooks
+from shardfn.primitives.piece_exchange import (
     BucketPlan,
     Exchange,
-    FlatPartition,
     finish_reduce_scatter,
-    leaf_divide_factors,
-    piece_divisors,
     start_all_gather,
     start_reduce_scatter,
-    weight_share,
 )
-from shardfn.primitives.grad_hooks import GradHooks
 from shardfn.transforms.precision import Precision
 
 __all__ = ["DataParallel", "data_parallel"]
