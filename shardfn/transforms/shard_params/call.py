@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from shardfn._torch_internals import is_functorch_wrapped
 from shardfn.primitives import autocast_state
 from shardfn.transforms.recording import RngState, rng_state
 from shardfn.transforms.shard_params.accumulator import Accumulator, NoReduce
@@ -36,7 +37,6 @@ from shardfn.transforms.shard_params.tree import (
     call_module,
     detached,
     is_float,
-    is_wrapped,
     plain,
     recorded_vjp,
     set_rng,
@@ -66,7 +66,7 @@ class ApplyCall(Backward):
         self.plan, self.guess, self.arg_spec = plan, guess, arg_spec
         # per tensor argument: may a gradient be asked for it (the root's graph is
         # recorded in forward, before backward says which inputs need one)
-        self.arg_wants = [is_float(t) and (t.requires_grad or is_wrapped(t))
+        self.arg_wants = [is_float(t) and (t.requires_grad or is_functorch_wrapped(t))
                           for t in arg_tensors]
         self.keep, self.record, self.mutable = keep, record, mutable
         self.phase = Phase.FORWARD

@@ -16,22 +16,15 @@ from typing import Any, NamedTuple
 import torch
 
 from shardfn import pytree
-from shardfn._torch_internals import (
-    is_functorch_wrapped,
-    temporarily_clear_interpreter_stack,
-    unwrap_functorch,
-)
+from shardfn._torch_internals import temporarily_clear_interpreter_stack, unwrap_functorch
 from shardfn.transforms.recording import RngState
 from shardfn.transforms.shard_params.exchange import UnitGather, no_functorch
 from shardfn.transforms.shard_params.plan import Unit
 
 __all__ = ["CallRecord", "TreeSpec", "call_module", "detached", "float_outputs", "is_float",
-           "is_wrapped",
            "plain", "recorded_vjp", "set_rng"]
 
 Params = dict[str, torch.Tensor]
-
-is_wrapped = is_functorch_wrapped
 
 
 class TreeSpec(NamedTuple):
