@@ -13,7 +13,8 @@ broke.
 
 On a torch release outside :data:`TESTED_TORCH` the import raises, naming the
 release; ``SHARDFN_ALLOW_UNTESTED_TORCH=1`` proceeds with a warning (the
-per-internal tests then say what still holds).
+per-internal tests then say what still holds). On any release, an internal
+that torch does not have fails the import with an ``ImportError`` naming it.
 
 Example:
     >>> from shardfn import _torch_internals as ti
@@ -23,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from typing import Any
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "BatchNormBase",
     "TESTED_TORCH",
     "TorchDispatchMode",
     "DisableFuncTorch",
@@ -38,6 +41,7 @@ __all__ = [
     "default_store",
     "get_interpreter_stack",
     "get_unwrapped",
+    "group_sequence_number",
     "in_transform",
     "is_functorch_wrapped",
     "process_groups",
@@ -53,6 +57,15 @@ TESTED_TORCH: tuple[str, ...] = ("2.13",)
 
 
 def _check_version(version: str) -> None:
+    """Raise unless ``version``'s release (``"2.13"`` of ``"2.13.0+cpu"``) is in TESTED_TORCH.
+
+    Args:
+        version: a torch version string.
+
+    Raises:
+        ImportError: for an untested release, naming it and what to do; with
+            ``SHARDFN_ALLOW_UNTESTED_TORCH`` set (not ``0``) it warns instead.
+    """
     release = ".".join(version.split("+")[0].split(".")[:2])
     if release in TESTED_TORCH:
         return
@@ -68,11 +81,37 @@ def _check_version(version: str) -> None:
 
 _check_version(torch.__version__)
 
+
+def _private(module: str, name: str) -> Any:
+    """``module.name``, or an ImportError naming it when this torch does not have it."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise ImportError(_missing(f"{module}.{name}", error)) from error
+
+
+def _ops(namespace: str, *names: str) -> Any:
+    """``torch.ops.<namespace>``, after checking that it has each op in ``names``."""
+    ops = getattr(torch.ops, namespace)
+    for name in names:
+        try:
+            getattr(ops, name)
+        except (AttributeError, RuntimeError) as error:
+            raise ImportError(_missing(f"torch.ops.{namespace}.{name}", error)) from error
+    return ops
+
+
+def _missing(what: str, error: Exception) -> str:
+    return (f"shardfn relies on {what}, which torch {torch.__version__} does not have "
+            f"({error}); tests/test_torch_internals.py says what each internal must do")
+
+
 # ---- collectives -------------------------------------------------------------------------
 #: ``torch.ops._c10d_functional``: all_reduce, all_gather_into_tensor, reduce_scatter_tensor,
 #: all_to_all_single, broadcast, wait_tensor (work inside autograd.Function backward under
 #: torch.func, where plain ``torch.distributed`` calls fail).
-c10d_functional = torch.ops._c10d_functional
+c10d_functional = _ops("_c10d_functional", "all_reduce", "all_gather_into_tensor",
+                       "reduce_scatter_tensor", "all_to_all_single", "broadcast", "wait_tensor")
 
 
 def default_store() -> Any:
@@ -89,15 +128,20 @@ def process_groups() -> list:
     return list(distributed_c10d._world.pg_map)
 
 
-# ---- functorch ---------------------------------------------------------------------------
-is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-get_unwrapped = torch._C._functorch.get_unwrapped
-get_interpreter_stack = torch._C._functorch.get_interpreter_stack
-TransformType = torch._C._functorch.TransformType
-#: context manager: ops run on plain tensors, not re-wrapped by an active grad/vmap level
-DisableFuncTorch = torch._C._DisableFuncTorch
+def group_sequence_number(group: Any) -> int:
+    """Collectives issued on ``group`` so far (``ProcessGroup._get_sequence_number_for_group``)."""
+    return group._get_sequence_number_for_group()
 
-from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack  # noqa: E402
+
+# ---- functorch ---------------------------------------------------------------------------
+is_functorch_wrapped = _private("torch._C._functorch", "is_functorch_wrapped_tensor")
+get_unwrapped = _private("torch._C._functorch", "get_unwrapped")
+get_interpreter_stack = _private("torch._C._functorch", "get_interpreter_stack")
+TransformType = _private("torch._C._functorch", "TransformType")
+#: context manager: ops run on plain tensors, not re-wrapped by an active grad/vmap level
+DisableFuncTorch = _private("torch._C", "_DisableFuncTorch")
+temporarily_clear_interpreter_stack = _private("torch._functorch.pyfunctorch",
+                                               "temporarily_clear_interpreter_stack")
 
 
 def unwrap_functorch(x: torch.Tensor) -> torch.Tensor:
@@ -113,12 +157,17 @@ def in_transform(kind: Any) -> bool:
 
 
 # ---- dispatch and pytrees ----------------------------------------------------------------
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_flatten as torch_tree_flatten  # noqa: E402
-from torch.utils._pytree import tree_leaves as torch_tree_leaves  # noqa: E402
-from torch.utils._pytree import tree_unflatten as torch_tree_unflatten  # noqa: E402
+TorchDispatchMode = _private("torch.utils._python_dispatch", "TorchDispatchMode")
+torch_tree_flatten = _private("torch.utils._pytree", "tree_flatten")
+torch_tree_leaves = _private("torch.utils._pytree", "tree_leaves")
+torch_tree_unflatten = _private("torch.utils._pytree", "tree_unflatten")
 
 # ---- storage -----------------------------------------------------------------------------
 #: FSDP's in-place storage resize as an op (``resize_storage_bytes_(t, nbytes)``), visible to
 #: dispatch modes; the public alternative is ``t.untyped_storage().resize_(nbytes)``.
-resize_storage_bytes_ = torch.ops.inductor.resize_storage_bytes_
+resize_storage_bytes_ = _ops("inductor", "resize_storage_bytes_").resize_storage_bytes_
+
+# ---- modules -----------------------------------------------------------------------------
+#: the common base of ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` (torch.nn's private
+#: ``_BatchNorm``): ``sf.sync_batch_norm``'s layer subclasses it, as those layers do.
+BatchNormBase = _private("torch.nn.modules.batchnorm", "_BatchNorm")

@@ -7,7 +7,7 @@ outputs of collectives. Each output whose storage is new (not one of the op's
 inputs' storages, not already counted) is counted once, with the category that
 was innermost when it was made, and a weak reference to its storage subtracts it
 again when the storage is freed (or resized in place with
-``torch.ops.inductor.resize_storage_bytes_``: 0 bytes counts as freed). Views
+FSDP's storage resize op, ``resize_storage_bytes_``: 0 bytes counts as freed). Views
 share their base's storage, so they count once; a tensor kept alive by autograd
 stays counted until the graph releases it.
 
@@ -39,8 +39,13 @@ import weakref
 from collections.abc import Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from shardfn._torch_internals import (
+    TorchDispatchMode,
+    resize_storage_bytes_,
+    torch_tree_leaves,
+    unwrap_functorch,
+)
 
 __all__ = ["MemoryTracker", "category", "current_category", "mark", "track"]
 
@@ -48,9 +53,7 @@ OTHER = "other"
 
 _CATEGORIES: list[str] = []  # innermost last
 _ACTIVE: list[MemoryTracker] = []  # innermost last
-_RESIZE_STORAGE = torch.ops.inductor.resize_storage_bytes_.default
-_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-_unwrap = torch._C._functorch.get_unwrapped
+_RESIZE_STORAGE = resize_storage_bytes_.default
 
 
 def current_category() -> str:
@@ -94,15 +97,8 @@ def mark(name: str) -> None:
         tracker._mark(name)
 
 
-def _unwrapped(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor under any functorch wrappers."""
-    while _is_wrapped(t):
-        t = _unwrap(t)
-    return t
-
-
 def _storage_of(t: torch.Tensor, device_type: str | None) -> torch.UntypedStorage | None:
-    t = _unwrapped(t)
+    t = unwrap_functorch(t)
     if t.device.type == "meta" or (device_type is not None and t.device.type != device_type):
         return None
     try:
@@ -175,7 +171,7 @@ class MemoryTracker:
     # -- recording ---------------------------------------------------------------------
     def _record(self, out, args, kwargs) -> None:
         input_ids: set[int] | None = None
-        for t in tree_leaves(out):
+        for t in torch_tree_leaves(out):
             if not isinstance(t, torch.Tensor):
                 continue
             storage = _storage_of(t, self.device_type)
@@ -193,7 +189,7 @@ class MemoryTracker:
     def _resized(self, t: torch.Tensor) -> None:
         """A storage changed size in place: a counted one changes its bytes (to 0 when
         freed); one from before the block counts from when it grows."""
-        t = _unwrapped(t)
+        t = unwrap_functorch(t)
         if self.device_type is not None and t.device.type != self.device_type:
             return
         storage = t.untyped_storage()
@@ -214,7 +210,7 @@ class MemoryTracker:
 
     def _input_storage_ids(self, args, kwargs) -> set[int]:
         ids = set()
-        for t in tree_leaves((args, kwargs)):
+        for t in torch_tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor):
                 storage = _storage_of(t, None)
                 if storage is not None:

@@ -1,7 +1,7 @@
 """Pure optimizers in optax's style: ``init(params) -> state``, ``update(...) -> (updates, state)``.
 
 The update rules follow torch.optim's arithmetic op for op (SGD, Adam, AdamW),
-run over the flat leaf list with ``torch._foreach_*`` kernels, and never mutate
+run over the flat leaf list with ``torch._foreach_add_``-style kernels, and never mutate
 their inputs unless asked to (``donating(opt)``, ``apply_updates(..., donate=True)``:
 the inputs are dead after the call and are overwritten in place). States are
 NamedTuples of tensors, so they save, shard and gather like parameters. See docs/optim.md.
@@ -24,13 +24,14 @@ from shardfn.optim.base import (
     Schedule,
     apply_updates,
     chain,
+    donating,
     identity,
     scale,
     scale_by_schedule,
     set_to_zero,
 )
 from shardfn.optim.clipping import clip_by_global_norm, global_norm, sharded_over
-from shardfn.optim.donation import Donation, donated, donating
+from shardfn.optim.donation import Donation, donated
 from shardfn.optim.masking import MaskedState, MultiTransformState, masked, multi_transform
 from shardfn.optim.schedules import (
     constant,

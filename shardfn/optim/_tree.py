@@ -1,7 +1,7 @@
 """Leaf-list helpers shared by the optimizers: checked flattening and foreach grouping.
 
 Every optimizer works on the flat list of leaves of the update tree, so that one
-``torch._foreach_*`` call covers all leaves of a (device, dtype) group. These
+``torch._foreach_add_``-style call covers all leaves of a (device, dtype) group. These
 helpers do the two boring parts: flatten a tree while checking that it matches
 another one (naming the leaf at fault), and split leaf lists into (device, dtype)
 groups and put the results back in order.
@@ -86,7 +86,7 @@ def foreach_groups(
 ) -> tuple[list, ...]:
     """Run ``fn`` once per (device, dtype) group of leaves and reassemble its outputs.
 
-    ``torch._foreach_*`` kernels take their fast path only when all tensors of a
+    ``torch._foreach_add_``-style kernels take their fast path only when all tensors of a
     list share device and dtype, so a mixed-precision tree is split into groups.
 
     Args:

@@ -1,7 +1,7 @@
 """Adam and AdamW (torch.optim.Adam / torch.optim.AdamW), as pure transforms.
 
 The arithmetic is torch.optim's, op for op, over the flat leaf list with
-``torch._foreach_*`` kernels (t = number of this update, 1-based):
+``torch._foreach_add_``-style kernels (t = number of this update, 1-based):
 
     g = g + weight_decay * p                    Adam's L2 decay (adam only)
     m = lerp(m, g, 1 - b1)                      = b1 * m + (1 - b1) * g
@@ -86,21 +86,13 @@ def adam(
     return _adam("adam", learning_rate, b1, b2, eps, weight_decay, decoupled=False, mask=None)
 
 
-def adamw(
-    learning_rate: ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.01,
-    mask: Any = None,
-) -> GradientTransformation:
+def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+          eps: float = 1e-8, weight_decay: float = 0.01, mask: Any = None
+          ) -> GradientTransformation:
     """AdamW as in ``torch.optim.AdamW``: decoupled decay ``p *= 1 - lr * weight_decay``.
 
     Args:
-        learning_rate: a number or a schedule ``f(step) -> lr`` (step = updates done).
-        b1: decay of the first moment.
-        b2: decay of the second moment.
-        eps: added to the denominator.
+        learning_rate, b1, b2, eps: as in :func:`adam`.
         weight_decay: decoupled decay factor (needs ``params`` in ``update``).
         mask: which leaves decay: a tree (or prefix tree) of bools, or a callable
             ``mask(params) -> bool tree``; None decays every leaf. The Adam step itself

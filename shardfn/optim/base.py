@@ -36,7 +36,7 @@ from shardfn.optim._tree import (
     is_frozen,
     leaves_like,
 )
-from shardfn.optim.donation import current_donation, writable_in_place
+from shardfn.optim.donation import current_donation, donated, writable_in_place
 
 PyTree = Any
 Schedule = Callable[[torch.Tensor], float | torch.Tensor]
@@ -50,6 +50,7 @@ __all__ = [
     "Schedule",
     "apply_updates",
     "chain",
+    "donating",
     "identity",
     "scale",
     "scale_by_schedule",
@@ -133,6 +134,35 @@ def check_scalar(
         raise ValueError(f"{name} must be {bound}, got {value}")
 
 
+def donating(opt: GradientTransformation) -> GradientTransformation:
+    """``opt`` whose ``update`` donates its ``updates`` (gradients) and ``state`` arguments.
+
+    The caller must not use the gradients or the state it passed in after the
+    call (the returned state and updates may share their memory). ``init`` is
+    unchanged. Adam/AdamW, SGD, ``scale``, ``scale_by_schedule``,
+    ``clip_by_global_norm`` and ``set_to_zero`` write in place; ``chain``,
+    ``masked`` and ``multi_transform`` pass the donation on to what they wrap.
+
+    Args:
+        opt: any :class:`GradientTransformation`.
+
+    Returns:
+        A :class:`GradientTransformation` with the same state.
+
+    Example:
+        >>> opt = donating(chain(clip_by_global_norm(1.0), adamw(1e-3)))
+        >>> updates, state = opt.update(grads, state, params)
+    """
+    if not isinstance(opt, GradientTransformation):
+        raise TypeError(f"donating expects a GradientTransformation, got {type(opt).__name__}")
+
+    def update(updates, state, params=None):
+        with donated(updates=True, state=True):
+            return opt.update(updates, state, params)
+
+    return GradientTransformation(opt.init, update)
+
+
 def apply_updates(params: PyTree, updates: PyTree, *, donate: bool = False) -> PyTree:
     """Add ``updates`` to ``params`` leaf by leaf (a new tree; inputs are not mutated).
 
@@ -211,15 +241,17 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+def _stateless(params) -> EmptyState:
+    """The ``init`` of a transform that keeps no state."""
+    return EmptyState()
+
+
 def identity() -> GradientTransformation:
     """Pass updates through unchanged (stateless).
 
     Example:
         >>> multi_transform({"train": adam(1e-3), "keep": identity()}, labels)
     """
-
-    def init(params):
-        return EmptyState()
 
     def update(updates, state, params=None):
         leaves, treedef = flatten_tensors(updates, "updates")
@@ -228,7 +260,7 @@ def identity() -> GradientTransformation:
                 treedef, [frozen_zero(u) if is_frozen(u) else u for u in leaves]), state
         return updates, state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(_stateless, update)
 
 
 def set_to_zero() -> GradientTransformation:
@@ -238,9 +270,6 @@ def set_to_zero() -> GradientTransformation:
         >>> multi_transform({"train": adam(1e-3), "frozen": set_to_zero()}, labels)
     """
 
-    def init(params):
-        return EmptyState()
-
     def update(updates, state, params=None):
         leaves, treedef = flatten_tensors(updates, "updates")
         if leaves and current_donation().updates and writable_in_place(leaves):
@@ -248,7 +277,7 @@ def set_to_zero() -> GradientTransformation:
             return updates, state
         return pytree.tree_map(torch.zeros_like, updates), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(_stateless, update)
 
 
 def scale(factor: float) -> GradientTransformation:
@@ -260,14 +289,11 @@ def scale(factor: float) -> GradientTransformation:
     check_scalar(factor, "factor", low=-float("inf"))
     factor = float(factor)
 
-    def init(params):
-        return EmptyState()
-
     def update(updates, state, params=None):
         leaves, treedef = flatten_tensors(updates, "updates")
         return pytree.tree_unflatten(treedef, _scaled(leaves, factor)), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(_stateless, update)
 
 
 def scale_by_schedule(schedule: Schedule) -> GradientTransformation:

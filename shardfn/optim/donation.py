@@ -7,7 +7,8 @@ results into that input's memory instead of allocating: the Adam moments are
 updated in place and the updates are written into the gradients, the way
 ``torch.optim`` works, and nothing large is allocated per step.
 
-* ``donating(opt)``: an optimizer whose ``update(grads, state, params)``
+* ``donating(opt)`` (in :mod:`shardfn.optim.base`): an optimizer whose
+  ``update(grads, state, params)``
   donates ``grads`` and ``state`` (``params`` are only read).
 * ``apply_updates(params, updates, donate=True)``: adds in place into ``params``.
 * ``data_parallel(..., donate=True)`` / ``shard_opt_state(..., donate=True)``:
@@ -31,14 +32,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-if TYPE_CHECKING:
-    from shardfn.optim.base import GradientTransformation
+from shardfn._torch_internals import is_functorch_wrapped
 
-__all__ = ["Donation", "current_donation", "donated", "donating", "writable_in_place"]
+__all__ = ["Donation", "current_donation", "donated", "writable_in_place"]
 
 
 class Donation(NamedTuple):
@@ -86,37 +86,6 @@ def donated(updates: bool = True, state: bool = True) -> Iterator[None]:
         _DONATION.reset(token)
 
 
-def donating(opt: GradientTransformation) -> GradientTransformation:
-    """``opt`` whose ``update`` donates its ``updates`` (gradients) and ``state`` arguments.
-
-    The caller must not use the gradients or the state it passed in after the
-    call (the returned state and updates may share their memory). ``init`` is
-    unchanged. Adam/AdamW, SGD, ``scale``, ``scale_by_schedule``,
-    ``clip_by_global_norm`` and ``set_to_zero`` write in place; ``chain``,
-    ``masked`` and ``multi_transform`` pass the donation on to what they wrap.
-
-    Args:
-        opt: any :class:`GradientTransformation`.
-
-    Returns:
-        A :class:`GradientTransformation` with the same state.
-
-    Example:
-        >>> opt = donating(chain(clip_by_global_norm(1.0), adamw(1e-3)))
-        >>> updates, state = opt.update(grads, state, params)
-    """
-    from shardfn.optim.base import GradientTransformation  # base imports this module
-
-    if not isinstance(opt, GradientTransformation):
-        raise TypeError(f"donating expects a GradientTransformation, got {type(opt).__name__}")
-
-    def update(updates, state, params=None):
-        with donated(updates=True, state=True):
-            return opt.update(updates, state, params)
-
-    return GradientTransformation(opt.init, update)
-
-
 def writable_in_place(tensors: Iterable[torch.Tensor | None], *,
                       allow_requires_grad: bool = False) -> bool:
     """Whether every tensor may be written in place without changing any other one.
@@ -157,4 +126,4 @@ def same_dtypes(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
 
 
 def _wrapped(t: torch.Tensor) -> bool:
-    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+    return bool(is_functorch_wrapped(t))

@@ -1,7 +1,7 @@
 """Stochastic gradient descent with momentum, Nesterov and L2 weight decay (torch.optim.SGD).
 
 The arithmetic is torch.optim.SGD's, op for op, over the flat leaf list with
-``torch._foreach_*`` kernels:
+``torch._foreach_add_``-style kernels:
 
     g   = g + weight_decay * p
     buf = g                                     on the first step

@@ -16,21 +16,6 @@ from shardfn.primitives.collectives import (
 )
 from shardfn.primitives.stats import CommStats, comm_stats, in_flight, reset_comm_stats
 
-__all__ = [
-    "CommStats",
-    "all_gather",
-    "all_to_all",
-    "axis_index",
-    "axis_size",
-    "broadcast",
-    "comm_stats",
-    "in_flight",
-    "pmean",
-    "pmean_invariant",
-    "ppermute",
-    "psum",
-    "psum_invariant",
-    "psum_scatter",
-    "pvary",
-    "reset_comm_stats",
-]
+__all__ = ["CommStats", "all_gather", "all_to_all", "axis_index", "axis_size", "broadcast",
+           "comm_stats", "in_flight", "pmean", "pmean_invariant", "ppermute", "psum",
+           "psum_invariant", "psum_scatter", "pvary", "reset_comm_stats"]

@@ -1,8 +1,9 @@
 """Raw (non-differentiable) collectives on plain tensors over one mesh axis.
 
-These call the ``torch.ops._c10d_functional`` ops, which are the only ones that
-run correctly inside the backward of an ``autograd.Function`` under
-``torch.func.grad`` (see design.md). Each call records its bytes in
+These call torch's functional collective ops (bound in
+:mod:`shardfn._torch_internals`), which are the only ones that run correctly
+inside the backward of an ``autograd.Function`` under ``torch.func.grad``
+(docs/collectives.md, "Implementation"). Each call records its bytes in
 :mod:`shardfn.primitives.stats` and marks itself as in flight for hang reports.
 
 Complex tensors travel as their real view (``torch.view_as_real``: gloo's
@@ -20,10 +21,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from shardfn._torch_internals import c10d_functional as _ops
 from shardfn.mesh import AxisName, Mesh, get_mesh
 from shardfn.primitives import stats
-
-_ops = torch.ops._c10d_functional
 
 
 class Axis(NamedTuple):

@@ -29,12 +29,14 @@ Every function works under ``torch.autograd``, ``torch.func.grad``,
 ``grad_and_value``, ``vjp``, ``vmap`` and their compositions (``vmap(grad)``,
 ``grad(vmap)``, ``jacrev``, double backward, ``jvp``/``jacfwd``/``hessian``):
 each is an ``autograd.Function`` in the ``forward`` + ``setup_context`` style
-calling the ``_c10d_functional`` ops, whose backward applies the transposed
-Function (so under vmap the backward, too, is one collective on the batched
-tensor). Leaves may be floating, complex, integer or bool (bools are summed as
-int64 counts; a mean of integers is refused). Each public call validates every
-leaf, then calls :func:`shardfn.primitives.consistency.check_call` once (axes
-of more than one rank), then communicates. See docs/collectives.md.
+calling the functional collective ops (:mod:`shardfn.primitives._functions`),
+whose backward applies the transposed Function (so under vmap the backward,
+too, is one collective on the batched tensor). Leaves may be floating, complex,
+integer or bool (bools are summed as int64 counts; a mean of integers is
+refused). Each public call validates every leaf
+(:mod:`shardfn.primitives._collective_args`), then calls
+:func:`shardfn.primitives.consistency.check_call` once (axes of more than one
+rank), then communicates. See docs/collectives.md.
 
 Example (on each rank of a 2-rank world):
     >>> mesh = sf.Mesh({"dp": 2})
@@ -44,8 +46,7 @@ Example (on each rank of a 2-rank world):
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -53,219 +54,28 @@ import torch
 from shardfn import pytree
 from shardfn.mesh import AxisName, Mesh, get_mesh
 from shardfn.primitives import _comm, consistency
+from shardfn.primitives._collective_args import (
+    check_divisible,
+    check_mean,
+    check_perm,
+    dim_arg,
+    int_arg,
+    summable,
+)
 from shardfn.primitives._comm import Axis
+from shardfn.primitives._functions import (
+    AllGather,
+    AllToAll,
+    Broadcast,
+    Ppermute,
+    Psum,
+    PsumScatter,
+    Pvary,
+)
 from shardfn.primitives.reduce_scaling import divide_factors
 
-__all__ = [
-    "all_gather",
-    "all_to_all",
-    "axis_index",
-    "axis_size",
-    "broadcast",
-    "pmean",
-    "pmean_invariant",
-    "ppermute",
-    "psum",
-    "psum_invariant",
-    "psum_scatter",
-    "pvary",
-]
-
-
-# ---- autograd.Functions -------------------------------------------------------------
-#
-# Each backward is written with the Functions themselves (JAX's transpose rules as
-# collectives), never with the raw ``_comm`` ops: under ``vmap(grad(f))`` the incoming
-# gradient is a batched tensor, and a raw op on it would hit torch's per-example
-# fallback (one collective per example, racing the other ranks' ones: wrong values).
-# Through ``apply`` the vmap rule below runs ONE collective on the batched tensor, and
-# the backward is itself differentiable (double backward, jacrev of a vjp). The
-# collectives are linear, so each jvp (forward mode: torch.func.jvp, jacfwd, hessian)
-# applies the same Function to the tangent.
-# Every vmap rule moves the batch dim to the front and shifts the dims it is given.
-
-
-def _batch_first(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
-    return x if bdim is None or bdim == 0 else x.movedim(bdim, 0)
-
-
-def _shift(bdim: int | None) -> int:
-    """How far a dim moves when the batch dim goes in front (0 for an unbatched input)."""
-    return 0 if bdim is None else 1
-
-
-def _out_dim(bdim: int | None) -> int | None:
-    return None if bdim is None else 0
-
-
-class _Psum(torch.autograd.Function):
-    """psum; backward psum (``grad_psum``, the varying rule) or pvary (the invariant rule)."""
-
-    @staticmethod
-    def forward(x, ax: Axis, grad_psum: bool):
-        return _comm.psum(x, ax)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.ax, ctx.grad_psum = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = _Psum.apply(grad, ctx.ax, True) if ctx.grad_psum else _Pvary.apply(grad, ctx.ax)
-        return grad, None, None
-
-    @staticmethod
-    def jvp(ctx, tangent, *_):
-        return _Psum.apply(tangent, ctx.ax, ctx.grad_psum)
-
-    @staticmethod
-    def vmap(info, in_dims, x, ax, grad_psum):
-        return _Psum.apply(x, ax, grad_psum), in_dims[0]
-
-
-class _Pvary(torch.autograd.Function):
-    """Identity; backward psum whose own backward is the identity (transposes twice to pvary)."""
-
-    @staticmethod
-    def forward(x, ax: Axis):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.ax = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _Psum.apply(grad, ctx.ax, False), None
-
-    @staticmethod
-    def jvp(ctx, tangent, *_):
-        return _Pvary.apply(tangent, ctx.ax)
-
-    @staticmethod
-    def vmap(info, in_dims, x, ax):
-        return _Pvary.apply(x, ax), in_dims[0]
-
-
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(x, ax: Axis, dim: int):
-        return _comm.all_gather(x, ax, dim)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.ax, ctx.dim = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _PsumScatter.apply(grad, ctx.ax, ctx.dim), None, None
-
-    @staticmethod
-    def jvp(ctx, tangent, *_):
-        return _AllGather.apply(tangent, ctx.ax, ctx.dim)
-
-    @staticmethod
-    def vmap(info, in_dims, x, ax, dim):
-        bdim = in_dims[0]
-        return _AllGather.apply(_batch_first(x, bdim), ax, dim + _shift(bdim)), _out_dim(bdim)
-
-
-class _PsumScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(x, ax: Axis, dim: int):
-        return _comm.psum_scatter(x, ax, dim)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.ax, ctx.dim = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _AllGather.apply(grad, ctx.ax, ctx.dim), None, None
-
-    @staticmethod
-    def jvp(ctx, tangent, *_):
-        return _PsumScatter.apply(tangent, ctx.ax, ctx.dim)
-
-    @staticmethod
-    def vmap(info, in_dims, x, ax, dim):
-        bdim = in_dims[0]
-        return _PsumScatter.apply(_batch_first(x, bdim), ax, dim + _shift(bdim)), _out_dim(bdim)
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(x, ax: Axis, split_dim: int, concat_dim: int):
-        return _comm.all_to_all(x, ax, split_dim, concat_dim)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.ax, ctx.split_dim, ctx.concat_dim = inputs[1:]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _AllToAll.apply(grad, ctx.ax, ctx.concat_dim, ctx.split_dim), None, None, None
-
-    @staticmethod
-    def jvp(ctx, tangent, *_):
-        return _AllToAll.apply(tangent, ctx.ax, ctx.split_dim, ctx.concat_dim)
-
-    @staticmethod
-    def vmap(info, in_dims, x, ax, split_dim, concat_dim):
-        bdim, k = in_dims[0], _shift(in_dims[0])
-        out = _AllToAll.apply(_batch_first(x, bdim), ax, split_dim + k, concat_dim + k)
-        return out, _out_dim(bdim)
-
-
-class _Ppermute(torch.autograd.Function):
-    @staticmethod
-    def forward(x, ax: Axis, perm: tuple[tuple[int, int], ...]):
-        return _comm.ppermute(x, ax, perm)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.ax, ctx.perm = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, grad):
-        inverse = tuple((dst, src) for src, dst in ctx.perm)
-        return _Ppermute.apply(grad, ctx.ax, inverse), None, None
-
-    @staticmethod
-    def jvp(ctx, tangent, *_):
-        return _Ppermute.apply(tangent, ctx.ax, ctx.perm)
-
-    @staticmethod
-    def vmap(info, in_dims, x, ax, perm):
-        return _Ppermute.apply(x, ax, perm), in_dims[0]
-
-
-class _Broadcast(torch.autograd.Function):
-    @staticmethod
-    def forward(x, ax: Axis, src: int):
-        return _comm.broadcast(x, ax, src)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.ax, ctx.src = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, grad):
-        total = _Psum.apply(grad, ctx.ax, True)
-        if ctx.ax.index == ctx.src:
-            return total, None, None
-        # zeros that stay in the graph (not zeros_like): a double backward must run the
-        # psum's backward on every rank; where, not "* 0", so an inf stays out of it
-        is_src = torch.zeros((), dtype=torch.bool, device=total.device)
-        return torch.where(is_src, total, 0), None, None
-
-    @staticmethod
-    def jvp(ctx, tangent, *_):
-        return _Broadcast.apply(tangent, ctx.ax, ctx.src)
-
-    @staticmethod
-    def vmap(info, in_dims, x, ax, src):
-        return _Broadcast.apply(x, ax, src), in_dims[0]
+__all__ = ["all_gather", "all_to_all", "axis_index", "axis_size", "broadcast", "pmean",
+           "pmean_invariant", "ppermute", "psum", "psum_invariant", "psum_scatter", "pvary"]
 
 
 # ---- public API ------------------------------------------------------------------
@@ -297,60 +107,6 @@ def _run(op: str, ax: Axis, tree, prepare: Callable[[str, torch.Tensor], Callabl
     return pytree.tree_unflatten(treedef, [run() for run in work])
 
 
-def _as_int(value: Any) -> int | None:
-    """``value`` as an int if it is an integer (numpy and 0-dim integer tensors too), else None.
-
-    Bools are not integers here: ``dim=True`` is a mistake, not dim 1.
-    """
-    if isinstance(value, bool) or (
-            isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
-def _int_arg(op: str, ax: Axis, name: str, value: Any) -> int:
-    """A static int argument (``dim``, ``src``, ...) as a Python int, or a TypeError naming it."""
-    as_int = _as_int(value)
-    if as_int is None:
-        raise TypeError(f"{op} over axis {ax.key!r}: {name} must be an int, got {value!r}")
-    return as_int
-
-
-def _dim(op: str, ax: Axis, path: str, x: torch.Tensor, dim: int, ndim: int | None = None) -> int:
-    """``dim`` normalised for a tensor of ``ndim`` dims (default ``x.dim()``), or a clear error."""
-    ndim = x.dim() if ndim is None else ndim
-    where = f"{op} over axis {ax.key!r}: leaf {path!r}"
-    if ndim == 0:
-        raise ValueError(f"{where} is a 0-dim tensor; {op} needs a tensor with a dim to split or "
-                         "join (reshape it to shape (1,))")
-    if not -ndim <= dim < ndim:
-        raise ValueError(f"{where}: dim {dim} is out of range for a tensor of shape "
-                         f"{tuple(x.shape)} (valid: {-ndim}..{ndim - 1})")
-    return dim % ndim
-
-
-def _summable(x: torch.Tensor) -> torch.Tensor:
-    """Bool leaves are summed as counts (int64, like ``torch.sum``); other dtypes as they are."""
-    return x.to(torch.int64) if x.dtype == torch.bool else x
-
-
-def _check_divisible(op: str, ax: Axis, path: str, x: torch.Tensor, dim: int) -> None:
-    if x.shape[dim] % ax.size:
-        raise ValueError(f"{op} over axis {ax.key!r}: leaf {path!r} needs dim {dim} (size "
-                         f"{x.shape[dim]} of shape {tuple(x.shape)}) divisible by the axis size "
-                         f"{ax.size}; pad it first (sf.shard pads for you)")
-
-
-def _check_mean(op: str, ax: Axis, path: str, x: torch.Tensor) -> None:
-    if not (x.is_floating_point() or x.is_complex()):
-        raise TypeError(f"{op} over axis {ax.key!r}: leaf {path!r} has dtype {x.dtype}; the mean "
-                        "of integers is not an integer. Cast it first (x.float()) or use psum "
-                        "and divide as you mean to")
-
-
 def psum(tree, axis: AxisName, *, mesh: Mesh | None = None):
     """Sum every leaf over the ranks of ``axis``; backward is psum (varying rule).
 
@@ -372,8 +128,8 @@ def psum(tree, axis: AxisName, *, mesh: Mesh | None = None):
     ax = _comm.resolve(axis, mesh)
 
     def prepare(path, x):
-        x = _summable(x)
-        return lambda: _Psum.apply(x, ax, True) if ax.size > 1 else x
+        x = summable(x)
+        return lambda: Psum.apply(x, ax, True) if ax.size > 1 else x
 
     return _run("psum", ax, tree, prepare)
 
@@ -384,7 +140,7 @@ def _mean(x: torch.Tensor, ax: Axis, grad_psum: bool) -> torch.Tensor:
     pre, post = divide_factors(ax.size, x.dtype)
     if pre != 1:
         x = x / pre
-    return _Psum.apply(x, ax, grad_psum) / post
+    return Psum.apply(x, ax, grad_psum) / post
 
 
 def pmean(tree, axis: AxisName, *, mesh: Mesh | None = None):
@@ -402,13 +158,7 @@ def pmean(tree, axis: AxisName, *, mesh: Mesh | None = None):
     Example:
         >>> grads = sf.pmean(grads, "dp")
     """
-    ax = _comm.resolve(axis, mesh)
-
-    def prepare(path, x):
-        _check_mean("pmean", ax, path, x)
-        return lambda: _mean(x, ax, True) if ax.size > 1 else x
-
-    return _run("pmean", ax, tree, prepare)
+    return _mean_over("pmean", tree, axis, mesh, grad_psum=True)
 
 
 def psum_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
@@ -432,8 +182,8 @@ def psum_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
     ax = _comm.resolve(axis, mesh)
 
     def prepare(path, x):
-        x = _summable(x)
-        return lambda: _Psum.apply(x, ax, False) if ax.size > 1 else x
+        x = summable(x)
+        return lambda: Psum.apply(x, ax, False) if ax.size > 1 else x
 
     return _run("psum_invariant", ax, tree, prepare)
 
@@ -441,24 +191,25 @@ def psum_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
 def pmean_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
     """Mean over ``axis`` whose backward is the identity divided by the axis size.
 
-    Args:
-        tree: a tensor or pytree of floating or complex tensors.
-        axis: a mesh axis name or a tuple of names.
-        mesh: overrides the current mesh.
-
-    Returns:
-        The tree of means.
+    The loss every rank then computes is counted once: its gradient reaches each rank's
+    local value divided by the axis size, not summed. Arguments and dtypes as in
+    :func:`pmean`.
 
     Example:
         >>> loss = sf.pmean_invariant(local_loss, "dp")
     """
+    return _mean_over("pmean_invariant", tree, axis, mesh, grad_psum=False)
+
+
+def _mean_over(op: str, tree, axis: AxisName, mesh: Mesh | None, grad_psum: bool):
+    """pmean (``grad_psum``: the varying rule) or pmean_invariant of every leaf."""
     ax = _comm.resolve(axis, mesh)
 
     def prepare(path, x):
-        _check_mean("pmean_invariant", ax, path, x)
-        return lambda: _mean(x, ax, False) if ax.size > 1 else x
+        check_mean(op, ax, path, x)
+        return lambda: _mean(x, ax, grad_psum) if ax.size > 1 else x
 
-    return _run("pmean_invariant", ax, tree, prepare)
+    return _run(op, ax, tree, prepare)
 
 
 def pvary(tree, axis: AxisName, *, mesh: Mesh | None = None):
@@ -477,7 +228,7 @@ def pvary(tree, axis: AxisName, *, mesh: Mesh | None = None):
     """
     ax = _comm.resolve(axis, mesh)
     return _run("pvary", ax, tree,
-                lambda path, x: lambda: _Pvary.apply(x, ax) if ax.size > 1 else x)
+                lambda path, x: lambda: Pvary.apply(x, ax) if ax.size > 1 else x)
 
 
 def all_gather(tree, axis: AxisName, *, dim: int = 0, tiled: bool = True,
@@ -501,17 +252,17 @@ def all_gather(tree, axis: AxisName, *, dim: int = 0, tiled: bool = True,
         >>> full = sf.all_gather(local_rows, "dp", dim=0)
     """
     ax = _comm.resolve(axis, mesh)
-    dim = _int_arg("all_gather", ax, "dim", dim)
+    dim = int_arg("all_gather", ax, "dim", dim)
 
     def prepare(path, x):
         if tiled and x.dim() == 0:
             raise ValueError(f"all_gather over axis {ax.key!r}: leaf {path!r} is a 0-dim tensor "
                              "and tiled=True has no dim to concatenate; use tiled=False to stack")
-        d = _dim("all_gather", ax, path, x, dim, x.dim() + (0 if tiled else 1))
+        d = dim_arg("all_gather", ax, path, x, dim, x.dim() + (0 if tiled else 1))
 
         def run():
             y = x if tiled else x.unsqueeze(d)
-            return _AllGather.apply(y, ax, d) if ax.size > 1 else y
+            return AllGather.apply(y, ax, d) if ax.size > 1 else y
 
         return run
 
@@ -538,18 +289,18 @@ def psum_scatter(tree, axis: AxisName, *, dim: int = 0, tiled: bool = True,
         >>> grad_shard = sf.psum_scatter(full_grad, "dp", dim=0)
     """
     ax = _comm.resolve(axis, mesh)
-    dim = _int_arg("psum_scatter", ax, "dim", dim)
+    dim = int_arg("psum_scatter", ax, "dim", dim)
 
     def prepare(path, x):
-        d = _dim("psum_scatter", ax, path, x, dim)
+        d = dim_arg("psum_scatter", ax, path, x, dim)
         if not tiled and x.shape[d] != ax.size:
             raise ValueError(f"psum_scatter(tiled=False) over axis {ax.key!r}: leaf {path!r} "
                              f"needs dim {d} of size {ax.size}, got shape {tuple(x.shape)}")
-        _check_divisible("psum_scatter", ax, path, x, d)
-        x = _summable(x)
+        check_divisible("psum_scatter", ax, path, x, d)
+        x = summable(x)
 
         def run():
-            out = _PsumScatter.apply(x, ax, d) if ax.size > 1 else x
+            out = PsumScatter.apply(x, ax, d) if ax.size > 1 else x
             return out if tiled else out.squeeze(d)
 
         return run
@@ -578,38 +329,16 @@ def all_to_all(tree, axis: AxisName, split_dim: int, concat_dim: int, *,
         >>> heads_local = sf.all_to_all(seq_local, "sp", split_dim=2, concat_dim=1)
     """
     ax = _comm.resolve(axis, mesh)
-    split_dim = _int_arg("all_to_all", ax, "split_dim", split_dim)
-    concat_dim = _int_arg("all_to_all", ax, "concat_dim", concat_dim)
+    split_dim = int_arg("all_to_all", ax, "split_dim", split_dim)
+    concat_dim = int_arg("all_to_all", ax, "concat_dim", concat_dim)
 
     def prepare(path, x):
-        s = _dim("all_to_all", ax, path, x, split_dim)
-        c = _dim("all_to_all", ax, path, x, concat_dim)
-        _check_divisible("all_to_all", ax, path, x, s)
-        return lambda: _AllToAll.apply(x, ax, s, c) if ax.size > 1 else x
+        s = dim_arg("all_to_all", ax, path, x, split_dim)
+        c = dim_arg("all_to_all", ax, path, x, concat_dim)
+        check_divisible("all_to_all", ax, path, x, s)
+        return lambda: AllToAll.apply(x, ax, s, c) if ax.size > 1 else x
 
     return _run("all_to_all", ax, tree, prepare, split_dim=split_dim, concat_dim=concat_dim)
-
-
-def _check_perm(ax: Axis, perm) -> tuple[tuple[int, int], ...]:
-    """``perm`` as a tuple of int pairs, each source and destination in range and at most once."""
-    if not isinstance(perm, Iterable) or isinstance(perm, (str, bytes, torch.Tensor)):
-        raise TypeError(f"ppermute over axis {ax.key!r}: perm is a sequence of (src, dst) pairs, "
-                        f"got {perm!r}")
-    pairs = []
-    for pair in perm:
-        if (not isinstance(pair, (tuple, list)) or len(pair) != 2
-                or any(_as_int(i) is None for i in pair)):
-            raise TypeError(f"ppermute over axis {ax.key!r}: perm entries are (src, dst) pairs "
-                            f"of ints, got {pair!r} in {perm!r}")
-        pairs.append((_as_int(pair[0]), _as_int(pair[1])))
-    sources, dests = [s for s, _ in pairs], [d for _, d in pairs]
-    for i in sources + dests:
-        if not 0 <= i < ax.size:
-            raise ValueError(f"ppermute over axis {ax.key!r} of size {ax.size}: index {i} in "
-                             f"perm {pairs} is out of range")
-    if len(set(sources)) != len(sources) or len(set(dests)) != len(dests):
-        raise ValueError(f"ppermute perm {pairs} repeats a source or a destination")
-    return tuple(pairs)
 
 
 def ppermute(tree, axis: AxisName, perm: Sequence[tuple[int, int]], *,
@@ -633,8 +362,8 @@ def ppermute(tree, axis: AxisName, perm: Sequence[tuple[int, int]], *,
         >>> nxt = sf.ppermute(x, "pp", [(i, (i + 1) % n) for i in range(n)])
     """
     ax = _comm.resolve(axis, mesh)
-    pairs = _check_perm(ax, perm)
-    return _run("ppermute", ax, tree, lambda path, x: lambda: _Ppermute.apply(x, ax, pairs),
+    pairs = check_perm(ax, perm)
+    return _run("ppermute", ax, tree, lambda path, x: lambda: Ppermute.apply(x, ax, pairs),
                 perm=pairs)
 
 
@@ -656,12 +385,12 @@ def broadcast(tree, axis: AxisName, *, src: int = 0, mesh: Mesh | None = None):
         >>> params = sf.broadcast(params, "dp", src=0)
     """
     ax = _comm.resolve(axis, mesh)
-    src = _int_arg("broadcast", ax, "src", src)
+    src = int_arg("broadcast", ax, "src", src)
     if not 0 <= src < ax.size:
         raise ValueError(f"broadcast over axis {ax.key!r} of size {ax.size}: src {src} is out "
                          f"of range (valid: 0..{ax.size - 1})")
     return _run("broadcast", ax, tree,
-                lambda path, x: lambda: _Broadcast.apply(x, ax, src) if ax.size > 1 else x,
+                lambda path, x: lambda: Broadcast.apply(x, ax, src) if ax.size > 1 else x,
                 src=src)
 
 

@@ -23,8 +23,9 @@ holds a digest of the fingerprint (the full fingerprints are exchanged only on
 a mismatch, for the message). A rank deletes its own key of call ``n - 1`` once
 it has read every key of call ``n`` (every peer has then finished reading call
 ``n - 1``); a call that timed out is marked "gave up", never deleted, so no
-read can block on a missing key. Comm stats do not count this traffic. See
-docs/check_mode.md.
+read can block on a missing key. Comm stats do not count this traffic. What a
+key holds and what a mismatch says are in :mod:`shardfn.primitives._fingerprint`.
+See docs/check_mode.md.
 
 Example:
     >>> sf.check_consistency(True)     # every later collective is checked
@@ -36,11 +37,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import re
-import sys
 import threading
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
@@ -51,7 +49,18 @@ import torch
 import torch.distributed as dist
 
 from shardfn import pytree as pt
+from shardfn._torch_internals import default_store
 from shardfn.primitives import stats
+from shardfn.primitives._fingerprint import (
+    call_text,
+    comparable,
+    digest,
+    fingerprint,
+    mismatch_message,
+    replicated_message,
+    timeout_message,
+)
+from shardfn.primitives._fingerprint import leaf_hash as _leaf_hash
 
 if TYPE_CHECKING:
     from shardfn.primitives._comm import Axis
@@ -69,28 +78,12 @@ __all__ = [
 ]
 
 
-# --- private torch names (each behind one helper; another issue gathers them in one module) ---
+# --- the store -----------------------------------------------------------------------
 
 
 def _default_store() -> dist.Store:
-    """The default process group's key-value store (private: ``distributed_c10d``)."""
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store()
-
-
-def _unwrap_functorch(x: torch.Tensor) -> torch.Tensor:
-    """The plain tensor under functorch wrappers (grad/vmap levels); private: ``_functorch``."""
-    from torch._C import _functorch
-
-    while _functorch.is_functorch_wrapped_tensor(x):
-        x = _functorch.get_unwrapped(x)
-    return x
-
-
-def _no_functorch() -> contextlib.AbstractContextManager:
-    """Ops on unwrapped tensors run plain, not re-wrapped by an active grad/vmap (private)."""
-    return torch._C._DisableFuncTorch()
+    """The default process group's key-value store (one name: benchmarks swap it)."""
+    return default_store()
 
 
 def _polls_files(store: dist.Store) -> bool:
@@ -241,96 +234,6 @@ def _active(ax: Axis) -> bool:
     )
 
 
-# --- fingerprints ---------------------------------------------------------------------
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_SKIP_DIRS = tuple(os.path.join(d, "") for d in (_PACKAGE_DIR, _TORCH_DIR))
-_REPR_LIMIT = 200
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-_SHOWN: dict[str, str | None] = {}  # code file name -> as shown, or None for shardfn/torch
-
-
-def _shown_file(filename: str) -> str | None:
-    if filename not in _SHOWN:
-        name = os.path.abspath(filename)
-        if name.startswith(_SKIP_DIRS):
-            _SHOWN[filename] = None
-        else:
-            cwd = os.path.join(os.getcwd(), "")
-            _SHOWN[filename] = os.path.relpath(name) if name.startswith(cwd) else name
-    return _SHOWN[filename]
-
-
-def _call_site() -> str:
-    """``file:line in function`` of the first frame outside shardfn and torch."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        shown = _shown_file(frame.f_code.co_filename)
-        if shown is not None:
-            return f"{shown}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back
-    return "<unknown site>"
-
-
-def _describe_leaf(leaf: Any) -> str:
-    if isinstance(leaf, torch.Tensor):  # metadata only: works on functorch-wrapped tensors
-        dims = ", ".join(str(d) for d in leaf.shape)
-        return f"{str(leaf.dtype).removeprefix('torch.')}[{dims}]"
-    text = _ADDRESS.sub("", repr(leaf))  # "<function f at 0x7f..>": the address is per process
-    return text if len(text) <= _REPR_LIMIT else text[:_REPR_LIMIT] + "..."
-
-
-def _fingerprint(op: str, ax: Axis, tree: Any, static: Mapping[str, Any]) -> dict:
-    names, leaves, spec = pt.tree_flatten_with_path(tree)
-    return {
-        "op": op,
-        "axis": ax.key,
-        "ranks": list(ax.ranks),
-        "tree": str(spec),
-        "leaves": [[n, _describe_leaf(leaf)] for n, leaf in zip(names, leaves, strict=True)],
-        "static": {k: _describe_leaf(v) for k, v in sorted(static.items())},
-        "site": _call_site(),
-    }
-
-
-def _call_text(fp: dict, max_leaves: int = 4) -> str:
-    """``psum(float32[4, 3], dim=0)`` or ``psum({a: float32[2], b: int32[3]})``."""
-    leaves = fp["leaves"]
-    if len(leaves) == 1 and leaves[0][0] == "<root>":
-        args = [leaves[0][1]]
-    else:
-        shown = [f"{n}: {d}" for n, d in leaves[:max_leaves]]
-        if len(leaves) > max_leaves:
-            shown.append(f"... {len(leaves) - max_leaves} more")
-        args = ["{" + ", ".join(shown) + "}"] if leaves else (
-            [] if fp["tree"] == "PyTreeSpec(None)" else [fp["tree"]])
-    args += [f"{k}={v}" for k, v in fp["static"].items()]
-    return f"{fp['op']}({', '.join(args)})"
-
-
-def _first_difference(a: dict, b: dict) -> str:
-    """What differs between two fingerprints, for the message's first line."""
-    for key, what in (("op", "the op"), ("axis", "the axis")):
-        if a[key] != b[key]:
-            return what
-    if a["tree"] != b["tree"]:
-        return f"the tree structure ({a['tree']} vs {b['tree']})"
-    for (name, da), (_, db) in zip(a["leaves"], b["leaves"], strict=True):
-        if da != db:
-            return f"{'the tensor' if name == '<root>' else f'leaf {name!r}'} ({da} vs {db})"
-    for key in sorted(set(a["static"]) | set(b["static"])):
-        if a["static"].get(key) != b["static"].get(key):
-            return f"argument {key}= ({a['static'].get(key)} vs {b['static'].get(key)})"
-    return "the check itself (one rank checked values, another a call)"
-
-
-def _comparable(fp: dict) -> dict:
-    return {k: v for k, v in fp.items() if k not in ("site", "hashes")}
-
-
 # --- the exchange ---------------------------------------------------------------------
 #
 # Round 1 (every check): each rank posts a short summary: a digest of everything compared,
@@ -364,12 +267,6 @@ def _wait_keys(store: dist.Store, keys: list[str], timeout_s: float) -> bool:
     return True
 
 
-def _digest(fp: dict) -> str:
-    comparable = {k: v for k, v in fp.items() if k != "site"}
-    text = json.dumps(comparable, sort_keys=True, separators=(",", ":"))
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-
-
 def _exchange(ax: Axis, fp: dict, label: str) -> tuple[int, list[dict] | None]:
     """Post ``fp`` as the group's next checked call; ``(call number, None)`` when every rank
     posted the same, else ``(call number, every rank's fingerprint by rank)``.
@@ -380,7 +277,7 @@ def _exchange(ax: Axis, fp: dict, label: str) -> tuple[int, list[dict] | None]:
     store = _default_store()
     rank = dist.get_rank()
     group = ",".join(str(r) for r in ax.ranks)
-    summary = {"digest": _digest(fp), "call": _call_text(fp), "site": fp["site"]}
+    summary = {"digest": digest(fp), "call": call_text(fp), "site": fp["site"]}
     with _STATE_LOCK:
         seq = _SEQ.get(ax.ranks, 0)
         _SEQ[ax.ranks] = seq + 1
@@ -393,7 +290,8 @@ def _exchange(ax: Axis, fp: dict, label: str) -> tuple[int, list[dict] | None]:
                                     f"{list(ax.ranks)} at {label} #{seq + 1}"):
             summaries = _read_fresh(store, keys, deadline)
         if summaries is None:
-            message = _timeout_message(store, ax, prefix, seq, keys, summary, fp["op"], label)
+            message = timeout_message(store, ax, prefix, seq, keys, summary, fp["op"], label,
+                                      _TIMEOUT_S)
             # Take the call back: mark the key (never delete it: a peer may be reading it) so
             # that a late peer waits for our next call at this number and pairs with that.
             with contextlib.suppress(Exception):
@@ -431,47 +329,6 @@ def _read_fresh(store: dist.Store, keys: list[str], deadline: float) -> list[dic
         pause = min(pause * 2, 2e-3)
 
 
-def _timeout_message(store: dist.Store, ax: Axis, prefix: str, seq: int, keys: list[str],
-                     summary: dict, op: str, label: str) -> str:
-    here = store.check  # one key at a time: some may have arrived meanwhile
-    # Keys of call seq are only ever overwritten (never deleted) while a rank waits at seq,
-    # and a missing rank's key of seq - 1 stays until it has read all keys of seq: every
-    # get below is of a key known to exist (a get of a missing key would block).
-    posted = {r: json.loads(store.get(key))
-              for r, key in zip(ax.ranks, keys, strict=True) if here([key])}
-    lines = []
-    for r in ax.ranks:
-        if r in posted:
-            continue
-        last = "it made no checked call on this axis before"
-        previous = f"{prefix}{seq - 1}/{r}"
-        if seq > 0 and here([previous]):
-            other = json.loads(store.get(previous))
-            last = f"its last checked call was #{seq}: {other['call']} at {other['site']}"
-        lines.append(f"  rank {r} never reached {label} #{seq + 1} ({op} over {ax.key!r} at "
-                     f"{summary['site']}); {last}")
-    for r, other in posted.items():
-        how = "arrived, then gave up waiting" if other.get("gave_up") else "arrived"
-        lines.append(f"  rank {r} {how}: {other['call']} at {other['site']}")
-    head = (f"check mode: ranks of axis {ax.key!r} (ranks {list(ax.ranks)}) timed out after "
-            f"{_TIMEOUT_S:g} s at {label} #{seq + 1}:")
-    hint = ("  (a rank skipped this call, made an extra one, raised before it, or is blocked "
-            "elsewhere; raise the timeout with sf.check_consistency(True, timeout=...) or "
-            "SHARDFN_CHECK_TIMEOUT if it is only slow)")
-    return "\n".join([head, *lines, hint])
-
-
-def _mismatch_message(ax: Axis, seq: int, fps: list[dict], label: str) -> str:
-    first = _comparable(fps[0])
-    odd = next(i for i, fp in enumerate(fps) if _comparable(fp) != first)
-    head = (f"check mode: ranks of axis {ax.key!r} (ranks {list(ax.ranks)}) disagree at "
-            f"{label} #{seq + 1}: rank {ax.ranks[odd]} differs from rank {ax.ranks[0]} in "
-            f"{_first_difference(fps[0], fps[odd])}:")
-    rows = [f"  rank {r}: {_call_text(fp)} at {fp['site']}"
-            for r, fp in zip(ax.ranks, fps, strict=True)]
-    return "\n".join([head, *rows])
-
-
 # --- public checks --------------------------------------------------------------------
 
 
@@ -500,25 +357,9 @@ def check_call(op: str, ax: Axis, tree: Any = None, **static: Any) -> None:
     """
     if not _active(ax):
         return
-    seq, fps = _exchange(ax, _fingerprint(op, ax, tree, static), "collective")
+    seq, fps = _exchange(ax, fingerprint(op, ax, tree, static), "collective")
     if fps is not None:
-        raise ConsistencyError(_mismatch_message(ax, seq, fps, "collective"))
-
-
-def _leaf_hash(leaf: Any) -> str:
-    h = hashlib.blake2b(digest_size=8)
-    if isinstance(leaf, torch.Tensor):
-        with _no_functorch(), torch.no_grad():
-            t = _unwrap_functorch(leaf).detach()
-            h.update(_describe_leaf(t).encode())
-            if t.device.type != "meta":  # a meta tensor has no values: shape and dtype only
-                t = t.to("cpu")
-                t = t.to_dense() if t.layout != torch.strided else t  # sparse: its values
-                t = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
-                h.update(memoryview(t.view(torch.uint8).numpy()))
-    else:
-        h.update(repr(leaf).encode())
-    return h.hexdigest()
+        raise ConsistencyError(mismatch_message(ax, seq, fps, "collective"))
 
 
 def check_replicated(what: str, ax: Axis, tree: Any) -> None:
@@ -543,28 +384,11 @@ def check_replicated(what: str, ax: Axis, tree: Any) -> None:
     """
     if not _active(ax):
         return
-    fp = _fingerprint(f"check_replicated[{what}]", ax, tree, {})
+    fp = fingerprint(f"check_replicated[{what}]", ax, tree, {})
     fp["hashes"] = [_leaf_hash(leaf) for leaf in pt.tree_leaves(tree)]
     seq, fps = _exchange(ax, fp, "check")
     if fps is None:
         return
-    if any(_comparable(other) != _comparable(fp) for other in fps):
-        raise ConsistencyError(_mismatch_message(ax, seq, fps, "check"))
-    raise ConsistencyError(_replicated_message(what, ax, seq, fps))
-
-
-def _replicated_message(what: str, ax: Axis, seq: int, fps: list[dict]) -> str:
-    per_rank = [fp["hashes"] for fp in fps]
-    differing = [i for i in range(len(per_rank[0])) if len({h[i] for h in per_rank}) > 1]
-    first = differing[0]
-    name = fps[0]["leaves"][first][0]
-    groups: dict[str, list[int]] = {}
-    for r, hashes in zip(ax.ranks, per_rank, strict=True):
-        groups.setdefault(hashes[first], []).append(r)
-    held = "; ".join(f"ranks {rs} hold value {h[:8]}" for h, rs in groups.items())
-    head = (f"check mode: {what} must be the same on every rank of axis {ax.key!r} (ranks "
-            f"{list(ax.ranks)}) but differ at check #{seq + 1}: {len(differing)} of "
-            f"{len(per_rank[0])} leaves differ, the first is {name!r} ({held}). Did every rank "
-            f"call init with the same seed and pass the same values?")
-    rows = [f"  rank {r}: {what} at {fp['site']}" for r, fp in zip(ax.ranks, fps, strict=True)]
-    return "\n".join([head, *rows])
+    if any(comparable(other) != comparable(fp) for other in fps):
+        raise ConsistencyError(mismatch_message(ax, seq, fps, "check"))
+    raise ConsistencyError(replicated_message(what, ax, seq, fps))

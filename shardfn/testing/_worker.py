@@ -219,11 +219,13 @@ def _send(conn: Connection, message: tuple) -> None:
 def _group_sequence(dist: Any) -> int:
     """Collectives issued on this rank's process groups so far (torch's sequence numbers)."""
     total = 0
+    groups = _optional("shardfn._torch_internals", "process_groups")
+    sequence_number = _optional("shardfn._torch_internals", "group_sequence_number")
     with contextlib.suppress(Exception):
-        if dist.is_initialized():
-            for group in list(dist.distributed_c10d._world.pg_map):
+        if groups and sequence_number and dist.is_initialized():
+            for group in groups():
                 with contextlib.suppress(Exception):
-                    total += group._get_sequence_number_for_group()
+                    total += sequence_number(group)
     return total
 
 

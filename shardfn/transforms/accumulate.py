@@ -9,7 +9,10 @@ collectives than reducing every micro-batch, for one accumulated gradient tree
 of memory.
 
 For equal micro-batches and a loss that is a mean over the batch, the result
-equals ``grad_fn`` on the whole batch (up to float round-off).
+equals ``grad_fn`` on the whole batch (up to float round-off). Only the running
+sum stays alive between micro-batches. ``ShardedModel.accumulate_grads`` is built
+on it (``reduce_each``: as is; ``reduce_once``: with the unit reductions held back
+until after the last micro-batch).
 
 Example:
     >>> step_grads = sf.accumulate_grads(torch.func.grad_and_value(loss), 4)
@@ -68,6 +71,7 @@ def accumulate_grads(grad_fn: Callable, num_micro_batches: int) -> Callable:
         for micro in split_batch(batch, num_micro_batches):
             out = grad_fn(params, micro, *rest)
             total = out if total is None else pytree.tree_map(torch.add, total, out)
+            del out  # only the running sum stays alive between micro-batches
         return pytree.tree_map(lambda t: t / num_micro_batches, total)
 
     return fn

@@ -14,8 +14,8 @@ Two ways to use it, the same communication either way:
   reverse tree order, the order in which backward usually produces gradients.
 
 How a bucket is averaged: its leaves, laid end to end, are cut into ``N`` even
-blocks (see :mod:`shardfn.primitives.flat`); each rank receives every other
-rank's values of its own block and sums them in place (a reduce-scatter), then
+blocks (see :mod:`shardfn.primitives.piece_exchange`); each rank receives every
+other rank's values of its own block and sums them in place (a reduce-scatter), then
 sends its summed block to the others, who write it in place (an all-gather).
 The messages read and write the gradient tensors themselves: no flat copy is
 made. On gloo this is as fast as ``dist.all_reduce`` on a flat buffer, without
@@ -41,24 +41,26 @@ from shardfn import pytree
 from shardfn.mesh import AxisName, Mesh
 from shardfn.optim.donation import writable_in_place
 from shardfn.primitives import _comm, consistency, stats
-from shardfn.primitives.flat import (
+from shardfn.primitives.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    IN_FLIGHT,
+    BucketSchedule,
+    by_bytes,
+    gather_tag,
+    reduce_tag,
+)
+from shardfn.primitives.flat import FlatPartition, leaf_divide_factors, piece_divisors, weight_share
+from shardfn.primitives.grad_hooks import GradHooks
+from shardfn.primitives.piece_exchange import (
     BucketPlan,
     Exchange,
-    FlatPartition,
     finish_reduce_scatter,
-    leaf_divide_factors,
-    piece_divisors,
     start_all_gather,
     start_reduce_scatter,
-    weight_share,
 )
-from shardfn.primitives.grad_hooks import GradHooks
 from shardfn.transforms.precision import Precision
 
 __all__ = ["DataParallel", "data_parallel"]
-
-DEFAULT_BUCKET_BYTES = 25 * 2**20
-_IN_FLIGHT = 2  # buckets whose reduce-scatter may be outstanding in backward before we wait
 
 
 class DataParallel(NamedTuple):
@@ -220,10 +222,10 @@ def _average_in_place(plans: Sequence[BucketPlan], flats: Sequence[torch.Tensor]
     scatters = []
     for b, plan in enumerate(plans):
         stats.record(ax.key, "psum", 2 * plan.nbytes(flats) * (ax.size - 1) / ax.size)
-        scatters.append(start_reduce_scatter(plan, flats, ax, tag=2 * b, what="psum"))
+        scatters.append(start_reduce_scatter(plan, flats, ax, tag=reduce_tag(b), what="psum"))
     gathers = []
     for b, (plan, exchange) in enumerate(zip(plans, scatters, strict=True)):
-        gathers.append(_second_half(plan, flats, exchange, ax, divide, tag=2 * b + 1))
+        gathers.append(_second_half(plan, flats, exchange, ax, divide, tag=gather_tag(b)))
     for exchange in gathers:
         exchange.wait()
 
@@ -241,34 +243,32 @@ def _second_half(plan: BucketPlan, flats: Sequence[torch.Tensor], exchange: Exch
 
 
 class _Overlap(GradHooks):
-    """Hooks that average gradient buckets in place as backward produces them."""
+    """Hooks that average gradient buckets in place as backward produces them.
+
+    A bucket is launched (prescaled, its reduce-scatter started) once all its gradients
+    are there; settling it (finishing the sum, starting its all-gather) waits until the
+    next bucket is launched, so one reduce-scatter and the all-gathers are in flight.
+    """
 
     def __init__(self, params, ax, bucket_bytes: int, average: bool,
                  reduce_dtype: torch.dtype | None, weight: float | torch.Tensor | None = None):
         super().__init__(params)
         self.ax, self.average, self.reduce_dtype = ax, average, reduce_dtype
         self.weight = weight
-        members: list[list[int]] = []
-        size = 0
-        for i in reversed(range(len(self.leaves))):
-            nbytes = self.leaves[i].numel() * self.leaves[i].element_size()
-            if not members or size + nbytes > bucket_bytes:
-                members.append([])
-                size = 0
-            members[-1].append(i)
-            size += nbytes
-        self.members = members
+        self.members = by_bytes(self.leaves, bucket_bytes)
         self.plans = [BucketPlan.of([(i, 0, self.leaves[i].numel()) for i in m], ax.size)
-                      for m in members]
-        self.bucket_of = {i: b for b, m in enumerate(members) for i in m}
+                      for m in self.members]
+        # buckets are launched in index order, the same on every rank; settling a bucket
+        # starts its all-gather, so one fewer reduce-scatter stays unsettled
+        self.schedule = BucketSchedule(self.members, range(len(self.members)), IN_FLIGHT - 1,
+                                       self._launch, self._settle)
         self.scatters: dict[int, Exchange] = {}
         self.gathers: dict[int, Exchange] = {}
 
     def __enter__(self) -> _Overlap:
         self._drain()  # a block whose grads() was never called
-        self.pending = [len(m) for m in self.members]
+        self.schedule.start()
         self.flats: list[torch.Tensor | None] = [None] * len(self.leaves)
-        self.next = 0  # buckets are launched in index order, the same on every rank
         self.divides: dict[int, Any] = {}
         self.share = None  # this rank's weight / total weight (one scalar psum, before backward)
         if self.weight is not None:
@@ -283,44 +283,38 @@ class _Overlap(GradHooks):
             exchanges.clear()
 
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
-        self.pending[self.bucket_of[i]] -= 1
-        self._launch_ready()
+        self.schedule.arrived(i)
 
-    def _launch_ready(self) -> None:
-        while self.next < len(self.members) and self.pending[self.next] == 0:
-            b = self.next
-            self.next += 1
-            for i in self.members[b]:
-                grad = self.leaves[i].grad
-                if (self.ax.size > 1 and self.reduce_dtype not in (None, grad.dtype)
-                        or not grad.is_contiguous()):
-                    # a copy (.to alone would alias a transposed .grad: its suggested memory
-                    # format is contiguous); averaged in it, copied back in grads()
-                    dtype = self.reduce_dtype if self.ax.size > 1 else None
-                    grad = grad.to(dtype=dtype or grad.dtype).contiguous()
-                self.flats[i] = grad.view(-1)
-            if self.ax.size == 1:
-                continue
-            # scaled in place before the sum: the .grad is averaged in place anyway
-            self.divides[b] = _prescale([self.flats[i] for i in self.members[b]], self.ax,
-                                        self.average, self.share)
-            if isinstance(self.divides[b], list):  # per member: index by leaf number
-                posts = dict(zip(self.members[b], self.divides[b], strict=True))
-                self.divides[b] = [posts.get(i, 1.0) for i in range(len(self.leaves))]
-            plan = self.plans[b]
-            stats.record(self.ax.key, "psum",
-                         2 * plan.nbytes(self.flats) * (self.ax.size - 1) / self.ax.size)
-            self.scatters[b] = start_reduce_scatter(plan, self.flats, self.ax, tag=2 * b,
-                                                    what="psum")
-            # the reduce-scatter of an older bucket has had a bucket's worth of backward to
-            # arrive: finish it and start its all-gather, so that little is left for grads()
-            if b - _IN_FLIGHT + 1 >= 0 and (b - _IN_FLIGHT + 1) in self.scatters:
-                self._gather(b - _IN_FLIGHT + 1)
+    def _launch(self, b: int) -> None:
+        for i in self.members[b]:
+            grad = self.leaves[i].grad
+            if (self.ax.size > 1 and self.reduce_dtype not in (None, grad.dtype)
+                    or not grad.is_contiguous()):
+                # a copy (.to alone would alias a transposed .grad: its suggested memory
+                # format is contiguous); averaged in it, copied back in grads()
+                dtype = self.reduce_dtype if self.ax.size > 1 else None
+                grad = grad.to(dtype=dtype or grad.dtype).contiguous()
+            self.flats[i] = grad.view(-1)
+        if self.ax.size == 1:
+            return
+        # scaled in place before the sum: the .grad is averaged in place anyway
+        self.divides[b] = _prescale([self.flats[i] for i in self.members[b]], self.ax,
+                                    self.average, self.share)
+        if isinstance(self.divides[b], list):  # per member: index by leaf number
+            posts = dict(zip(self.members[b], self.divides[b], strict=True))
+            self.divides[b] = [posts.get(i, 1.0) for i in range(len(self.leaves))]
+        plan = self.plans[b]
+        stats.record(self.ax.key, "psum",
+                     2 * plan.nbytes(self.flats) * (self.ax.size - 1) / self.ax.size)
+        self.scatters[b] = start_reduce_scatter(plan, self.flats, self.ax, tag=reduce_tag(b),
+                                                what="psum")
 
-    def _gather(self, b: int) -> None:
+    def _settle(self, b: int) -> None:
+        if b not in self.scatters:  # an axis of size 1: nothing was sent
+            return
         exchange = self.scatters.pop(b)
         self.gathers[b] = _second_half(self.plans[b], self.flats, exchange, self.ax,
-                                       self.divides.pop(b), tag=2 * b + 1)
+                                       self.divides.pop(b), tag=gather_tag(b))
 
     def grads(self):
         """Wait for every bucket; the tree of the averaged ``.grad`` tensors (averaged in
@@ -329,10 +323,8 @@ class _Overlap(GradHooks):
         for i in range(len(self.leaves)):  # leaves backward did not reach this time
             if not self.seen[i]:
                 self.seen[i] = True
-                self.pending[self.bucket_of[i]] -= 1
-        self._launch_ready()
-        for b in sorted(self.scatters):
-            self._gather(b)
+                self.schedule.arrived(i)
+        self.schedule.finish()
         for b in sorted(self.gathers):
             self.gathers.pop(b).wait()
         out = []

@@ -5,6 +5,9 @@ backward recomputes ``fn`` instead of keeping its intermediates. It is one
 ``autograd.Function`` (forward + ``setup_context`` style, so ``torch.func.grad``,
 ``grad_and_value``, ``vjp`` and ``vmap`` accept it):
 
+The two dispatch modes are :mod:`shardfn.transforms.recording`'s (shared with
+``shard_params``), which documents how ops are recorded and matched:
+
 * **forward** runs ``fn`` under ``no_grad`` inside a *recording* dispatch mode.
   The policy looks at every op; the outputs of the ops it saves are kept (moved
   to CPU first for offloaded ones). The tensor inputs are saved for backward and
@@ -51,19 +54,16 @@ Example:
 from __future__ import annotations
 
 import functools
-import weakref
-from collections import Counter
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten as _torch_flatten
-from torch.utils._pytree import tree_unflatten as _torch_unflatten
-from torch.utils.weak import WeakIdKeyDictionary
 
+from shardfn import _torch_internals as ti
 from shardfn import pytree
 from shardfn.primitives import autocast_state
+from shardfn.transforms import recording
+from shardfn.transforms.recording import CASTS, Offload, Policy, Recorder, Replayer, Saved
 
 __all__ = [
     "Offload",
@@ -83,25 +83,6 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
-_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-_unwrap_level = torch._C._functorch.get_unwrapped
-_TransformType = torch._C._functorch.TransformType
-_CASTS = frozenset({aten._to_copy.default})  # autocast's casts (some come from its weight cache)
-# ops that update arguments in place without saying so in their schema: argument positions
-_UNDECLARED_WRITES = {
-    aten.native_batch_norm.default: (3, 4),  # running_mean, running_var (training=True)
-    aten.cudnn_batch_norm.default: (3, 4),
-    aten.miopen_batch_norm.default: (3, 4),
-}
-
-
-class Offload(NamedTuple):
-    """Policy answer: save the value on ``device`` (CPU, pinned when CUDA) and bring it back."""
-
-    device: str = "cpu"
-
-
-Policy = Callable[[Any, "str | None"], "bool | Offload"]
 
 # ----------------------------------------------------------------------------- policies
 DOT_OPS = frozenset({
@@ -202,16 +183,7 @@ class _Policies(NamedTuple):
 checkpoint_policies = _Policies()
 """The policies, under JAX's ``jax.checkpoint_policies`` names."""
 
-# ----------------------------------------------------------------------------- recording
-_RECORDERS: list[_Recorder] = []
-
-
-def _base(t: torch.Tensor) -> torch.Tensor:
-    while _is_wrapped(t):
-        t = _unwrap_level(t)
-    return t
-
-
+# ----------------------------------------------------------------------------- tags
 def checkpoint_name(x: Any, name: str) -> Any:
     """Tag ``x`` (a tensor or pytree of tensors) as ``name`` for remat policies; returns ``x``.
 
@@ -224,253 +196,13 @@ def checkpoint_name(x: Any, name: str) -> Any:
     """
     if not isinstance(name, str):
         raise TypeError(f"checkpoint_name: name must be a string, got {name!r}")
-    if _RECORDERS:
-        for leaf in pytree.tree_leaves(x):
-            if isinstance(leaf, torch.Tensor):
-                for recorder in _RECORDERS:
-                    recorder.tag(_base(leaf), name)
+    recording.tag(x, name, leaves=pytree.tree_leaves)
     return x
-
-
-def _replayable(func, args, kwargs, outs: list) -> bool:
-    schema = func._schema
-    if func is aten._unsafe_view.default or torch.Tag.nondeterministic_seeded in func.tags:
-        return False
-    if func in _UNDECLARED_WRITES:  # replaying it would skip its update of running stats
-        return False
-    if any(a.alias_info is not None for a in schema.arguments):
-        return False  # views, in-place and out= ops
-    if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
-        return False
-    inputs = {_storage_ptr(t) for t in _torch_flatten((args, kwargs))[0]
-              if isinstance(t, torch.Tensor)}
-    return not any(_storage_ptr(o) in inputs for o in outs)
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a is b or (a.shape == b.shape and a.stride() == b.stride()
-                      and a.storage_offset() == b.storage_offset() and a.dtype == b.dtype)
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return -1
-
-
-def _signature(args, kwargs) -> tuple:
-    return tuple((tuple(t.shape), t.dtype) for t in _torch_flatten((args, kwargs))[0]
-                 if isinstance(t, torch.Tensor))
-
-
-class _Saved:
-    """One saved op output (a tensor or a tuple of tensors), maybe offloaded."""
-
-    def __init__(self, signature, out, decision):
-        self.signature, self.decision = signature, decision
-        self.leaves, self.spec = _torch_flatten(out)
-        self.versions = [t._version for t in self.leaves]
-        self.devices = [t.device for t in self.leaves]
-
-    def unchanged(self) -> bool:
-        """Whether no in-place op has changed the value since it was recorded."""
-        return all(t._version == v for t, v in zip(self.leaves, self.versions, strict=True))
-
-    def finish(self) -> bool:
-        """Keep the value if the forward did not mutate it; move offloaded values."""
-        if not self.unchanged():
-            return False
-        if isinstance(self.decision, Offload):
-            self.leaves = [_to_device(t, self.decision.device) for t in self.leaves]
-            self.versions = [t._version for t in self.leaves]
-        return True
-
-    def load(self):
-        leaves = [t if t.device == d else t.to(d, non_blocking=True)
-                  for t, d in zip(self.leaves, self.devices, strict=True)]
-        return _torch_unflatten(leaves, self.spec)
-
-
-def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
-    target = torch.device(device)
-    if t.device == target:
-        return t
-    pin = target.type == "cpu" and t.device.type == "cuda"
-    out = torch.empty(t.shape, dtype=t.dtype, device=target, pin_memory=pin)
-    return out.copy_(t, non_blocking=pin)
-
-
-class _Recorder(TorchDispatchMode):
-    """Forward: runs every op, keeps the outputs the policy saves.
-
-    Ops in ``uncounted`` (autocast's casts, some of which its weight cache serves
-    without running an op) are neither counted nor saved, so that a recomputation
-    that casts more or fewer times still matches every other op by its count.
-    The first in-place write to an input records a copy of that input's value
-    before the forward (``mutated``: input index -> copy), for the recomputation.
-    """
-
-    def __init__(self, policy: Policy, inputs: list[torch.Tensor], *,
-                 uncounted: frozenset = frozenset()):
-        super().__init__()
-        self.policy = policy
-        self.uncounted = uncounted
-        self.counts: Counter = Counter()
-        self.saved: dict[tuple, _Saved] = {}
-        self.producers = WeakIdKeyDictionary()  # op output -> (key, signature, weak outputs)
-        self.inputs = list(inputs)
-        self.input_storages = {_storage_ptr(_base(t)) for t in inputs}
-        self.mutated: dict[int, torch.Tensor] = {}
-
-    def __enter__(self):
-        _RECORDERS.append(self)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        _RECORDERS.remove(self)
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self._check_closure(func, args, kwargs)
-        self._note_input_writes(func, args, kwargs)
-        out = func(*args, **kwargs)
-        if func in self.uncounted:
-            return out
-        key = (func, self.counts[func])
-        self.counts[func] += 1
-        outs = _torch_flatten(out)[0]
-        if not _replayable(func, args, kwargs, outs):
-            return out
-        signature = _signature(args, kwargs)
-        record = (key, signature, [weakref.ref(o) for o in outs], _torch_flatten(out)[1])
-        for o in outs:
-            self.producers[o] = record
-        decision = self.policy(func, None)
-        if decision:
-            self.saved[key] = _Saved(signature, out, decision)
-        return out
-
-    def _check_closure(self, func, args, kwargs) -> None:
-        for t in _torch_flatten((args, kwargs))[0]:
-            if (isinstance(t, torch.Tensor) and t.requires_grad
-                    and _storage_ptr(t) not in self.input_storages
-                    and not self._cast_of_input(t)):
-                raise ValueError(
-                    f"remat: the function reads a tensor of shape {tuple(t.shape)} that requires "
-                    f"grad but is not one of its arguments (a closure?) in {func}; pass it as an "
-                    "argument so that it gets a gradient")
-
-    def _cast_of_input(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is autocast's cached cast of an argument (``ToCopy`` of that leaf).
-
-        Autocast keeps one cast per leaf that requires grad and hands it out
-        without running an op, so the forward sees a tensor that requires grad
-        and lives in no argument's storage. It is still a function of an
-        argument: the recomputation casts that argument again.
-        """
-        fn = t.grad_fn
-        if fn is None or type(fn).__name__ != "ToCopyBackward0":
-            return False
-        sources = [f for f, _ in fn.next_functions if f is not None]
-        return (len(sources) == 1 and hasattr(sources[0], "variable")
-                and _storage_ptr(sources[0].variable) in self.input_storages)
-
-    def _note_input_writes(self, func, args, kwargs) -> None:
-        if not self.input_storages:
-            return
-        arguments = func._schema.arguments
-        undeclared = _UNDECLARED_WRITES.get(func, ())
-        for position, argument in enumerate(arguments):
-            declared = argument.alias_info is not None and argument.alias_info.is_write
-            if not declared and position not in undeclared:
-                continue
-            value = args[position] if position < len(args) else kwargs.get(argument.name)
-            for t in value if isinstance(value, list | tuple) else (value,):
-                if isinstance(t, torch.Tensor) and _storage_ptr(t) in self.input_storages:
-                    self._keep_before_write(t, func)
-
-    def _keep_before_write(self, written: torch.Tensor, func) -> None:
-        ptr = _storage_ptr(written)
-        sharing = [i for i, t in enumerate(self.inputs) if _storage_ptr(_base(t)) == ptr]
-        exact = [i for i in sharing if _same_view(_base(self.inputs[i]), written)]
-        for index in exact or sharing:  # (a view of an input: every input on that storage)
-            if index in self.mutated:
-                continue
-            t = self.inputs[index]
-            if t.requires_grad:
-                raise ValueError(
-                    f"remat: the function updates in place ({func}) its argument of shape "
-                    f"{tuple(t.shape)} that requires grad; autograd cannot follow that "
-                    "through a remat. Update a copy (x = x + ...) or pass a tensor that "
-                    "does not require grad (a buffer)")
-            self.mutated[index] = t.detach().clone()
-
-    def tag(self, tensor: torch.Tensor, name: str) -> None:
-        """``checkpoint_name``: the policy decides again, with ``name``, for ``tensor``'s op."""
-        record = self.producers.get(tensor)
-        if record is None and tensor._base is not None:
-            record = self.producers.get(tensor._base)
-        if record is None:
-            return  # an input, or made by a view/in-place op of one: nothing to replay
-        key, signature, weak_outs, spec = record
-        decision = self.policy(key[0], name)
-        outs = [ref() for ref in weak_outs]
-        if decision and all(o is not None for o in outs):
-            self.saved[key] = _Saved(signature, _torch_unflatten(outs, spec), decision)
-        else:
-            self.saved.pop(key, None)
-
-    def finish(self) -> dict[tuple, _Saved]:
-        return {key: s for key, s in self.saved.items() if s.finish()}
-
-
-class _Replayer(TorchDispatchMode):
-    """Recompute: saved ops return their saved outputs, every other op runs."""
-
-    def __init__(self, saved: dict[tuple, _Saved], *, uncounted: frozenset = frozenset()):
-        super().__init__()
-        self.saved = saved
-        self.uncounted = uncounted
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self.uncounted:
-            return func(*args, **kwargs)
-        key = (func, self.counts[func])
-        self.counts[func] += 1
-        saved = self.saved.get(key)
-        if saved is None or not saved.unchanged():  # e.g. an output the caller changed in place
-            return func(*args, **kwargs)
-        signature = _signature(args, kwargs)
-        if signature != saved.signature:
-            raise RuntimeError(
-                f"remat: the recomputation of {func} (call {key[1]}) got inputs "
-                f"{signature}, the forward had {saved.signature}; the function must run the "
-                "same ops in both (no data-dependent Python control flow), or use "
-                "policy=nothing_saveable")
-        return saved.load()
 
 
 # ----------------------------------------------------------------------------- the Function
 def _differentiable(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
-
-
-class _RngState(NamedTuple):
-    cpu: torch.Tensor
-    cuda: dict[int, torch.Tensor]
-
-
-def _rng_state(tensors) -> _RngState:
-    cuda = {}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        devices = {t.device.index for t in tensors if t.device.type == "cuda"}
-        for index in devices or {torch.cuda.current_device()}:
-            cuda[index] = torch.cuda.get_rng_state(index)
-    return _RngState(torch.get_rng_state(), cuda)
 
 
 def _higher_order_possible(tensors) -> bool:
@@ -479,10 +211,10 @@ def _higher_order_possible(tensors) -> bool:
     torch.func.grad and vjp always differentiate with create_graph=True; keeping that
     graph for a remat backward would hold every recomputed value until the end.
     """
-    stack = torch._C._functorch.get_interpreter_stack()
+    stack = ti.get_interpreter_stack()
     if stack:  # the innermost is the transform running this backward
-        return any(i.key() in (_TransformType.Grad, _TransformType.Jvp) for i in stack[:-1])
-    return torch.is_grad_enabled() and any(_base(t).requires_grad for t in tensors)
+        return any(i.key() in (ti.TransformType.Grad, ti.TransformType.Jvp) for i in stack[:-1])
+    return torch.is_grad_enabled() and any(recording.base_tensor(t).requires_grad for t in tensors)
 
 
 class _Call:
@@ -495,10 +227,10 @@ class _Call:
         self.static = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         self.fn, self.policy = fn, policy
         self.autocast = autocast_state.capture()  # recomputation replays the forward's state
-        self.uncounted = _CASTS if self.autocast.any_enabled else frozenset()
-        self.saved: dict[tuple, _Saved] = {}
+        self.uncounted = CASTS if self.autocast.any_enabled else frozenset()
+        self.saved: dict[tuple, Saved] = {}
         self.mutated: dict[int, torch.Tensor] = {}  # input index -> its value before forward
-        self.rng: _RngState | None = None
+        self.rng: recording.RngState | None = None
         self.out_treedef = None
         self.out_static: list = []
         self.out_positions: list[int] = []
@@ -530,11 +262,15 @@ class _Call:
         return pytree.tree_unflatten(self.out_treedef, leaves)
 
 
+def _storage(t: torch.Tensor) -> int:
+    return recording.storage_ptr(recording.base_tensor(t))
+
+
 def _check_writes_seen(tensors, versions, mutated) -> None:
     """Refuse an argument changed in place by an op that remat could not see coming."""
-    kept = {_storage_ptr(_base(tensors[i])) for i in mutated}  # views share a version counter
+    kept = {_storage(tensors[i]) for i in mutated}  # views share a version counter
     for index, (t, version) in enumerate(zip(tensors, versions, strict=True)):
-        if t._version != version and index not in mutated and _storage_ptr(_base(t)) not in kept:
+        if t._version != version and index not in mutated and _storage(t) not in kept:
             raise ValueError(
                 f"remat: the function changed its tensor argument {index} (shape "
                 f"{tuple(t.shape)}, {t.dtype}) in place with an op that does not declare the "
@@ -547,8 +283,8 @@ class _RematFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(call: _Call, *tensors):
-        call.rng = _rng_state(tensors)
-        recorder = _Recorder(call.policy, list(tensors), uncounted=call.uncounted)
+        call.rng = recording.rng_state(tensors)
+        recorder = Recorder(call.policy, list(tensors), uncounted=call.uncounted)
         versions = [t._version for t in tensors]
         with torch.no_grad(), recorder:
             out = call.run(tensors)
@@ -591,19 +327,14 @@ class _RematFunction(torch.autograd.Function):
             for i, before in call.mutated.items():  # fn updates a fresh copy, not the caller's
                 now = full[i]  # (a differentiated one: the value before, the gradient to now)
                 full[i] = before.clone() if now is None else before + (now - now.detach())
-            with _Replayer(call.saved, uncounted=call.uncounted):
+            with Replayer(call.saved, uncounted=call.uncounted):
                 out = call.output_tensors(call.run(full))
             return tuple(out[i] for i in outs)
 
         input_grads: list = [None] * len(tensors)
         if wrt and outs:
-            cuda = list(call.rng.cuda)
-            with torch.random.fork_rng(devices=cuda):
-                torch.set_rng_state(call.rng.cpu)
-                for index, state in call.rng.cuda.items():
-                    torch.cuda.set_rng_state(state, index)
-                with call.autocast.replay():
-                    _, vjp_fn = torch.func.vjp(recompute, *[tensors[i] for i in wrt])
+            with recording.replay_rng(call.rng), call.autocast.replay():
+                _, vjp_fn = torch.func.vjp(recompute, *[tensors[i] for i in wrt])
             cotangents = tuple(grads[i] if keep_graph else grads[i].detach() for i in outs)
             grads_in = vjp_fn(cotangents)
             for i, g in zip(wrt, grads_in, strict=True):
@@ -650,11 +381,10 @@ def remat(fn: Callable, policy: Policy = nothing_saveable) -> Callable:
     @functools.wraps(fn)
     def rematerialised(*args, **kwargs):
         call = _Call(fn, policy, args, kwargs)
-        transforms = {i.key() for i in torch._C._functorch.get_interpreter_stack() or ()}
-        if _TransformType.Jvp in transforms:
+        if ti.in_transform(ti.TransformType.Jvp):
             return fn(*args, **kwargs)  # forward-mode AD (jvp, jacfwd, hessian): no remat
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in call.tensors)
-        if _TransformType.Grad not in transforms and not needs_grad:
+        if not ti.in_transform(ti.TransformType.Grad) and not needs_grad:
             return fn(*args, **kwargs)  # nothing will differentiate this call
         return call.unflatten_output(_RematFunction.apply(call, *call.tensors))
 

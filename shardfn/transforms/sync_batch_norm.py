@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from shardfn._torch_internals import BatchNormBase, TransformType, in_transform
 from shardfn.mesh import AxisName, Mesh
 from shardfn.primitives.collectives import psum
 
@@ -60,7 +60,7 @@ class _MeshRef:
         return "current mesh" if self.mesh is None else repr(self.mesh)
 
 
-class SyncBatchNorm(_BatchNorm):
+class SyncBatchNorm(BatchNormBase):
     """A BatchNorm over inputs ``(N, C, *)`` whose batch statistics span ``axis``.
 
     Same parameters, buffers and hyper-parameters as ``nn.BatchNorm*d``; made by
@@ -123,7 +123,8 @@ class SyncBatchNorm(_BatchNorm):
         count = torch.tensor(local, dtype=torch.int64, device=x.device)
         sums, total_count = psum((x.sum(dims), count), self.axis, mesh=self.mesh)
         # (read the global count only when this rank's could leave it at 1: no sync otherwise)
-        if local <= 1 and self.training and not _under_vmap() and int(total_count) <= 1:
+        if (local <= 1 and self.training and not in_transform(TransformType.Vmap)
+                and int(total_count) <= 1):
             raise ValueError(f"SyncBatchNorm: expected more than 1 value per channel over axis "
                              f"{self.axis!r} when training, got {int(total_count)} in all "
                              f"(input of shape {tuple(input.shape)} on this rank)")
@@ -156,11 +157,6 @@ def _spatial(x: torch.Tensor) -> int:
     for d in x.shape[2:]:
         size *= d
     return size
-
-
-def _under_vmap() -> bool:
-    stack = torch._C._functorch.get_interpreter_stack() or ()
-    return any(i.key() == torch._C._functorch.TransformType.Vmap for i in stack)
 
 
 def sync_batch_norm(module: nn.Module, axis: AxisName, *, mesh: Mesh | None = None) -> nn.Module:
@@ -202,7 +198,7 @@ def _convert(module: nn.Module, axis: AxisName, mesh: Mesh | None) -> nn.Module:
     return module
 
 
-def _synced_copy(bn: _BatchNorm, axis: AxisName, mesh: Mesh | None) -> SyncBatchNorm:
+def _synced_copy(bn: BatchNormBase, axis: AxisName, mesh: Mesh | None) -> SyncBatchNorm:
     out = SyncBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
                         device="meta", axis=axis, mesh=mesh)
     out._parameters = dict(bn._parameters)

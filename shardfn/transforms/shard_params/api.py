@@ -1,113 +1,20 @@
-"""`shard_params`: ZeRO-3 / FSDP full parameter sharding over a mesh axis (and HSDP).
+"""The API layer of `shard_params`: :class:`ShardedModel` and :func:`shard_params`.
 
-Every parameter is split on dim 0 over ``axis`` (zero-padded to whole rows,
-exactly ``sf.shard(full, model.specs, mesh)``), so a rank holds ``1/N`` of the
-model and its shards form an ordinary tree: any ``sf.optim`` optimizer runs on
-it directly and its state is ``1/N`` too. 0-dim parameters and buffers are
-replicated (``P()``).
-
-The model is cut into *units* (submodules chosen by ``units=``; what lies
-outside every unit is the *root unit*). ``apply`` is one ``autograd.Function``
-(``RootFn``). Its forward gathers the root's parameters and runs the root's
-forward, recording a plain autograd graph; each unit call inside it all-gathers
-that unit's shards (point-to-point, straight into the unit's full parameters:
-``_unit_exchange.py``), runs the unit recording its own graph, *releases* the
-storage of the full parameters (the graph keeps their aliases) and enters the
-root's graph through a second ``autograd.Function`` (``UnitFn``). The backward
-runs the root's graph: each ``UnitFn.backward`` refills its unit's parameter
-storage (all-gathers again into the same place), runs the unit's recorded
-backward and reduce-scatters the parameter gradient; finally the root's own
-gradient is reduce-scattered. Nothing is recomputed, and only the outer
-Function meets ``torch.func``, so the same code runs under ``torch.func.grad`` /
-``grad_and_value`` / ``vjp`` and plain ``loss.backward()``.
-
-With a ``remat=`` policy forward runs without a graph instead (recording what the
-policy saves) and backward recomputes: the root's forward under
-``torch.func.vjp`` with each unit call *replaying* its forward output, and each
-unit under ``torch.func.vjp`` with its forward's RNG state, replaying the saved
-values (``remat=nothing_saveable``: ZeRO-3 with activation checkpointing at unit
-boundaries).
-
-Overlap: while a unit computes, the all-gathers of the next ``prefetch`` units
-are in flight (forward: in the order recorded by the previous call, at first
-the registration order, where a wrong guess wastes a gather but never gives a
-wrong result; backward: the reverse of this call's forward order). A unit's
-reduce-scatter is waited only in the backward of the unit before it, which
-returns that gradient (it takes the later unit's shards as extra inputs); the
-root waits for the first unit's and for any left unclaimed.
-
-Gradients (``grad_reduce``): ``"mean"`` (default, DDP/FSDP semantics) divides
-the reduce-scatter by the number of data-parallel ranks, so a per-rank loss on
-the rank's micro-batch gives the gradient of the global mean loss. ``"sum"``
-is JAX's transpose rule (all_gather -> psum_scatter). With ``replicate_axis``
-(HSDP) the shard gradients are also summed over that axis (the mean divides by
-both sizes). In fp16/bf16 the gradients are divided before the sum and after it
-(FSDP2's ``divide_factors``), so a mean that fits the dtype does not overflow.
-"mean" is the mean of the per-rank gradients: the full-batch mean only for equal
-per-rank batches (check mode compares the batch shapes; ``"sum"`` with a loss
-divided by the global count weights unequal batches exactly). Only the leaves a
-gradient is asked for are reduced. Frozen parameters and buffers get no gradient
-(None; zeros under ``torch.func``).
-
-Dtypes and buffers: ``apply`` computes in the dtypes of the shards given (float64
-shards of a float32 module compute in float64) unless ``precision`` says otherwise.
-``apply(..., mutable=True)`` also returns every buffer as the forward left it
-(BatchNorm statistics of this rank's batch: buffers are per rank); a recompute does
-not update them again, and recomputes run under the forward's autocast state.
-
-Parameters tied across units belong to the root unit: they
-are gathered once with it, passed to the units as full tensors, and their
-gradient (the sum over all uses) is reduce-scattered once.
-
-Cost per step with N ranks on ``axis`` and Psi = parameter bytes padded to
-whole rows (a dim-0 size d becomes ``N * ceil(d / N)``): communication
-``3 Psi (N-1)/N`` per rank (all-gather in forward, again in backward,
-reduce-scatter), ``2 Psi (N-1)/N`` with ``reshard_after_forward=False`` (the
-forward's full parameters are kept for backward, like ZeRO-2). Frozen
-parameters are gathered but not reduce-scattered. Memory: ``Psi / N`` of
-shards, plus up to ``prefetch + 1`` units' full parameters (and the root's),
-plus during backward the current unit's full gradient and one reduction in flight
-(the previous unit's), plus the activations (all of them by default;
-with ``remat=nothing_saveable`` those at unit boundaries and one unit's inner
-activations). The root unit stays gathered through forward and through backward.
-
-The code is split by job: this module (the public API), ``_unit_plan.py``
-(choosing units, what each owns), ``_unit_step.py`` (one ``apply`` call: forward,
-backward, the two Functions), ``_unit_exchange.py`` (a unit's collectives) and
-``_units.py`` (precision and offload placement, remat recording, accumulation).
-
-Large-model options:
-
-* ``precision=sf.Precision(...)`` (FSDP2 ``MixedPrecisionPolicy``): each unit's floating
-  shards are cast to ``param_dtype`` as they are packed for the all-gather (bf16 halves
-  its bytes) and the unit computes in it; the full gradients are reduce-scattered in
-  ``reduce_dtype`` (default ``param_dtype``) and come back in the shards' own (master)
-  dtype. Floating buffers and 0-dim parameters are cast too, like ``with_precision``.
-* ``offload=True`` / ``OffloadPolicy(storage, compute)`` (ZeRO-Offload): shards, their
-  gradients and so the optimizer state live on the storage device; a unit's shards are
-  copied to the compute device just before its all-gather, gradient shards back after
-  the reduce-scatter; bytes are counted in ``sf.comm_stats()`` under ``"h2d"``/``"d2h"``.
-* ``remat=policy``: the unit's (and root's) forward records the outputs the policy saves
-  (never values computed from the gathered parameters alone) and the backward recomputes
-  the rest, replaying them; ``nothing_saveable`` recomputes each unit whole.
-* ``model.accumulate_grads(loss_fn, k, mode)``: ``k`` micro-batches per step with one
-  reduce-scatter per unit (``"reduce_once"``: full gradients accumulate locally) or
-  ``k`` of them (``"reduce_each"``: shard gradients accumulate).
+What the user calls. Building a model validates the arguments and computes its
+frozen :class:`~.plan.Plan`; each ``apply`` runs one :class:`~.call.ApplyCall`
+through :class:`~.functions.RootFn`. The package docstring
+(:mod:`shardfn.transforms.shard_params`) says what the transform does and costs.
 
 Example:
-    >>> fmodel = sf.functional(net)
-    >>> model = shard_params(fmodel, mesh, axis="dp", units=Block)
-    >>> shards = model.init(0)                       # this rank's shards only
-    >>> loss = lambda p, x, y: F.cross_entropy(model.apply(p, x), y)
-    >>> grads, value = torch.func.grad_and_value(loss)(shards, x_local, y_local)
-    >>> full = sf.gather(shards, model.specs, mesh)  # == fmodel.init(0)
+    >>> model = shard_params(sf.functional(net), mesh, "dp", units=Block)
+    >>> shards = model.init(0)
+    >>> out = model.apply(shards, x)
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -116,29 +23,23 @@ from torch import nn
 from shardfn import pytree
 from shardfn.functional import FunctionalModel
 from shardfn.mesh import AxisName, Mesh
-from shardfn.primitives import _comm, consistency
-from shardfn.spec import Layout, P, local_shape, shard
-from shardfn.transforms._unit_exchange import TagCounter
-from shardfn.transforms._unit_plan import (
-    Unit,
-    UnitPolicy,
-    build_units,
-    init_groups,
-    resolve_units,
-    suggest,
-)
-from shardfn.transforms._unit_step import Reduce, RootFn, Step, TreeSpec
-from shardfn.transforms._units import Accumulator, OffloadPolicy, Placement
-from shardfn.transforms.accumulate import split_batch
+from shardfn.primitives import consistency
+from shardfn.spec import Layout, shard
+from shardfn.transforms.accumulate import accumulate_grads
 from shardfn.transforms.precision import Precision, cast_floating
 from shardfn.transforms.remat import Policy, nothing_saveable
+from shardfn.transforms.shard_params.accumulator import reduce_once
+from shardfn.transforms.shard_params.call import ApplyCall
+from shardfn.transforms.shard_params.choose import UnitPolicy
+from shardfn.transforms.shard_params.functions import RootFn
+from shardfn.transforms.shard_params.placement import OffloadPolicy, Placement
+from shardfn.transforms.shard_params.plan import Plan, Unit, make_plan
+from shardfn.transforms.shard_params.prefetch import PrefetchGuess
+from shardfn.transforms.shard_params.tree import TreeSpec
 
 __all__ = ["OffloadPolicy", "ShardedModel", "UnitPolicy", "shard_params"]
 
 Params = dict[str, torch.Tensor]
-
-
-# ================================================================ public API
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
@@ -173,25 +74,21 @@ class ShardedModel:
     precision: Precision | None
     offload: OffloadPolicy | None
     remat: Policy | None
-    _policy: Policy | None  # what UnitRecorder records (None: nothing)
-    _save: bool  # units keep their activations: backward runs the vjp built in forward
-    _units: tuple[Unit, ...]
-    _root: Unit
-    _ax: _comm.Axis
-    _replicate_ax: _comm.Axis | None
-    _all_ax: _comm.Axis
-    _local_shapes: dict[str, tuple[int, ...]]
-    _buffer_set: frozenset[str]
-    _trainable_set: frozenset[str]
-    _unit_trainable: tuple[str, ...]
-    _init_groups: tuple[tuple[str, ...], ...]
-    _order_hint: list[int]  # unit order of the previous forward (a prefetch guess only)
-    _token: object
-    _place: Placement  # dtypes and devices (precision, offload)
-    _masters: dict[str, torch.dtype]  # each leaf's own (master) dtype
+    _plan: Plan  # frozen: everything an apply call reads of the model
+    _guess: PrefetchGuess  # the previous forward's unit order (prefetch and overlap only)
     # the same model planned for shards of other dtypes (float64 shards of a float32
-    # module): leaf dtypes -> ShardedModel, shared by all of them
-    _variants: dict[tuple[torch.dtype, ...], ShardedModel]
+    # module): leaf dtypes (in ``names`` order) -> Plan
+    _variants: dict[tuple[torch.dtype, ...], Plan]
+
+    @property
+    def _units(self) -> tuple[Unit, ...]:
+        """The plan's units (read by tests that count a step's exchanges)."""
+        return self._plan.units
+
+    @property
+    def _root(self) -> Unit:
+        """The plan's root unit."""
+        return self._plan.root
 
     def init(self, seed: int, device: torch.device | str | None = None) -> Params:
         """This rank's shards of ``functional.init(seed)``, built one unit at a time.
@@ -212,11 +109,12 @@ class ShardedModel:
             >>> shards = model.init(0)
         """
         if device is None:
-            device = self._place.storage if self._place.offload else self.mesh.device
+            place = self._plan.place
+            device = place.storage if place.offload else self.mesh.device
         out: Params = {}
-        for paths in self._init_groups:
+        for paths in self._plan.init_groups:
             full = self.functional.init_subset(seed, paths, device=device)
-            consistency.check_replicated("shard_params.init", self._all_ax, full)
+            consistency.check_replicated("shard_params.init", self._plan.all_ax, full)
             out.update(self._shard_leaves(full))
             del full  # one unit's full leaves alive at a time
         return {name: out[name] for name in self.names}
@@ -234,7 +132,8 @@ class ShardedModel:
             >>> shards = model.shard(fmodel.init(0))
         """
         self.functional.check(full_params)
-        consistency.check_replicated("shard_params.shard", self._all_ax, full_params)
+        consistency.check_replicated("shard_params.shard", self._plan.all_ax,
+                                     full_params)
         return self._shard_leaves(full_params)
 
     def apply(self, shards: Mapping[str, torch.Tensor], *args: Any, mutable: bool = False,
@@ -275,9 +174,9 @@ class ShardedModel:
             >>> shards = {**shards, **buffers}
         """
         self.check(shards)
-        consistency.check_call("shard_params.apply", self._all_ax, (args, kwargs))
-        model = self._for_dtypes(shards)
-        place, precision = self._place, self.precision
+        consistency.check_call("shard_params.apply", self._plan.all_ax, (args, kwargs))
+        plan = self._plan_for(tuple(shards[name].dtype for name in self.names))
+        place, precision = plan.place, self.precision
         if place.offload:  # inputs go where the units compute (differentiably)
             args, kwargs = pytree.tree_map(
                 lambda x: x.to(place.compute) if isinstance(x, torch.Tensor) else x,
@@ -286,15 +185,16 @@ class ShardedModel:
             args, kwargs = cast_floating((args, kwargs), precision.param_dtype)
         arg_spec, arg_tensors = TreeSpec.of((args, kwargs))
         grad = torch.is_grad_enabled()
-        step = Step(model, arg_spec, arg_tensors, keep=grad and not self.reshard_after_forward,
-                    record=grad, mutable=bool(mutable))
-        outputs = RootFn.apply(step, *[shards[name] for name in self.names], *arg_tensors)
-        out = step.out_spec.build(outputs[:step.n_outputs])
+        call = ApplyCall(plan, self._guess, arg_spec, arg_tensors,
+                         keep=grad and not self.reshard_after_forward, record=grad,
+                         mutable=bool(mutable))
+        outputs = RootFn.apply(call, *[shards[name] for name in self.names], *arg_tensors)
+        out = call.out_spec.build(outputs[:call.n_outputs])
         if precision is not None:
             out = cast_floating(out, precision.output_dtype)
         if not mutable:
             return out
-        return out, dict(zip(self.functional.buffer_names, outputs[step.n_outputs:],
+        return out, dict(zip(self.functional.buffer_names, outputs[call.n_outputs:],
                              strict=True))
 
     def apply_with_buffers(self, shards: Mapping[str, torch.Tensor], *args: Any,
@@ -316,8 +216,9 @@ class ShardedModel:
             >>> grads = torch.func.grad(lambda t: loss(model.merge(t, rest)))(train)
         """
         self.check(shards)
-        trainable = {n: shards[n] for n in self.names if n in self._trainable_set}
-        rest = {n: shards[n] for n in self.names if n not in self._trainable_set}
+        trainable_set = self._plan.trainable_set
+        trainable = {n: shards[n] for n in self.names if n in trainable_set}
+        rest = {n: shards[n] for n in self.names if n not in trainable_set}
         return trainable, rest
 
     def merge(self, trainable: Mapping[str, torch.Tensor],
@@ -344,24 +245,15 @@ class ShardedModel:
         self.check(both)
         return {name: both[name] for name in self.names}
 
-    def _for_dtypes(self, shards: Mapping[str, torch.Tensor]) -> ShardedModel:
-        """This model planned for the dtypes of ``shards`` (``self`` for the module's own)."""
-        masters = self._masters
-        if all(shards[name].dtype == masters[name] for name in self.names):
-            return self
-        return self._variant(tuple(shards[name].dtype for name in self.names))
-
-    def _variant(self, key: tuple[torch.dtype, ...]) -> ShardedModel:
-        """This model planned for leaves of the dtypes ``key`` (in ``names`` order)."""
-        if key == tuple(self._masters[name] for name in self.names):
-            return self
-        variant = self._variants.get(key)
+    def _plan_for(self, dtypes: tuple[torch.dtype, ...]) -> Plan:
+        """The plan for leaves of ``dtypes`` (in ``names`` order): the model's own for its
+        own dtypes, else a cached variant (float64 shards of a float32 module)."""
+        plan = self._plan
+        if dtypes == tuple(plan.masters[name] for name in self.names):
+            return plan
+        variant = self._variants.get(dtypes)
         if variant is None:
-            dtypes = dict(zip(self.names, key, strict=True))
-            units, root = build_units(self.functional, self.units, self._ax.size, self._token,
-                                      self._place, dtypes)
-            variant = dataclasses.replace(self, _units=units, _root=root, _masters=dtypes)
-            self._variants[key] = variant
+            variant = self._variants[dtypes] = plan.for_dtypes(dtypes)
         return variant
 
     def accumulate_grads(self, loss_fn: Callable, num_micro_batches: int,
@@ -404,82 +296,16 @@ class ShardedModel:
                 or num_micro_batches < 1):
             raise ValueError(f"accumulate_grads: num_micro_batches must be an int >= 1, got "
                              f"{num_micro_batches!r}")
-        grad_fn = torch.func.grad_and_value(loss_fn)
-        k = num_micro_batches
-
-        def fn(shards: Any, batch: Any, *rest: Any) -> tuple[Any, torch.Tensor]:
-            if mode == "reduce_once" and not isinstance(shards, Mapping):
-                raise TypeError(f"accumulate_grads(mode='reduce_once') needs the shards as a "
-                                f"mapping name -> tensor, got {type(shards).__name__}")
-            micro_batches = split_batch(batch, k)
-            total = None
-            with (Accumulator(self._token) if mode == "reduce_once"
-                  else contextlib.nullcontext()) as accumulator:
-                for micro in micro_batches:
-                    out = grad_fn(shards, micro, *rest)
-                    total = out if total is None else pytree.tree_map(torch.add, total, out)
-                    del out  # only the running sum stays alive between micro-batches
-            grads, loss = total
-            if accumulator is not None:
-                grads = dict(grads)
-                for name, grad in self._reduce_accumulated(accumulator, grads).items():
-                    if name in grads:
-                        grads[name] = grads[name] + grad
-            return pytree.tree_map(lambda t: t / k, (grads, loss))
-
-        return fn
-
-    def _reduce_accumulated(self, accumulator: Accumulator,
-                            names: Collection[str]) -> Params:
-        """Reduce every unit's summed full gradients of ``names`` once: ``name -> shard
-        gradient`` (planned for the dtypes the micro-batches ran in)."""
-        model = self if accumulator.masters is None else self._variant(
-            tuple(accumulator.masters[name] for name in self.names))
-        some = [g for grads in accumulator.grads.values() for g in grads.values()]
-        tags = TagCounter()
-        device = some[0].device if some else (self._place.compute or self.mesh.device)
-        wanted = frozenset(n for n in self._trainable_set if n in names)
-        wanted = None if len(wanted) == len(self._trainable_set) else wanted
-        out: Params = {}
-        for unit in (*model._units, model._root):  # every rank reduces every unit, in order
-            grads = accumulator.grads.pop(unit.index, {})
-            for name in unit.owned_grads:  # a unit no micro-batch called: zeros
-                if name not in grads and (wanted is None or name in wanted):
-                    grads[name] = torch.zeros(self.specs[name].shape,
-                                              dtype=model._masters[name], device=device)
-            out.update(Reduce(model, unit, grads, tags(), wanted).wait())
-        return out
+        mean_fn = accumulate_grads(torch.func.grad_and_value(loss_fn), num_micro_batches)
+        if mode == "reduce_each":  # every micro-batch reduce-scatters: sf.accumulate_grads
+            return mean_fn
+        return reduce_once(mean_fn, num_micro_batches, self._plan.token, lambda masters: (
+            self._plan if masters is None
+            else self._plan_for(tuple(masters[name] for name in self.names))))
 
     def check(self, shards: Mapping[str, torch.Tensor]) -> None:
         """Raise a ``ValueError``/``TypeError`` naming the leaf unless ``shards`` fits ``specs``."""
-        if not isinstance(shards, Mapping):
-            raise TypeError(f"shards must be a mapping name -> Tensor (as model.init returns), "
-                            f"got {type(shards).__name__}")
-        if shards.keys() != self._local_shapes.keys():
-            missing = [n for n in self.names if n not in shards]
-            unexpected = [n for n in shards if n not in self._local_shapes]
-            raise ValueError(f"shards do not match the model: missing {missing}, unexpected "
-                             f"{unexpected}" + suggest(unexpected, self.names))
-        for name, expected in self._local_shapes.items():
-            value = shards[name]
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"shards[{name!r}] must be a Tensor, got {type(value).__name__}")
-            got = tuple(value.shape)
-            if got == expected:
-                continue
-            layout = self.specs[name]
-            mesh = dict(zip(self.mesh.axis_names, self.mesh.shape, strict=True))
-            if got == layout.shape:
-                raise ValueError(
-                    f"shards[{name!r}] has the full shape {got}, but model.apply takes this "
-                    f"rank's shards (local shape {expected} under {layout.spec} on mesh {mesh}); "
-                    f"shard the tree first: shards = model.shard(full_params)"
-                )
-            raise ValueError(
-                f"shards[{name!r}] has shape {got}, but {layout.spec} of global shape "
-                f"{layout.shape} on mesh {mesh} gives the local shape {expected}; was the tree "
-                f"sharded for another mesh or axis?"
-            )
+        self._plan.check_shards(shards)
 
     def train(self, mode: bool = True) -> ShardedModel:
         """The same sharded model over ``functional.train(mode)``."""
@@ -494,7 +320,7 @@ class ShardedModel:
         return self.train(False)
 
     def _shard_leaves(self, full: Mapping[str, torch.Tensor]) -> Params:
-        return {name: self._place.store(shard(x, self.specs[name], self.mesh).clone())
+        return {name: self._plan.place.store(shard(x, self.specs[name], self.mesh).clone())
                 for name, x in full.items()}
 
     def __repr__(self) -> str:
@@ -587,46 +413,20 @@ def shard_params(
     # (nothing to record); another policy: record what it saves, recompute the rest
     policy = None if remat is None or remat is nothing_saveable else remat
     place = Placement.of(precision, offload)
-    ax = _comm.resolve(axis, mesh)
-    replicate_ax = None
-    all_names = ax.names
-    if replicate_axis is not None:
-        replicate_ax = _comm.resolve(replicate_axis, mesh)
-        if set(replicate_ax.names) & set(ax.names):
-            raise ValueError(f"replicate_axis {replicate_axis!r} overlaps axis {axis!r}")
-        all_names = ax.names + replicate_ax.names
-    all_ax = _comm.resolve(all_names, mesh)
-
-    paths = resolve_units(model, units)
-    token = object()
-    unit_plans, root = build_units(model, paths, ax.size, token, place)
-    shapes = model.param_shapes()
-    specs, local_shapes = {}, {}
-    for name in model.names:
-        shape = tuple(shapes[name].shape)
-        spec = P(axis) if name in model.param_names and len(shape) >= 1 else P()
-        specs[name] = Layout(spec, shape)
-        local_shapes[name] = local_shape(shape, spec, mesh)
-    trainable = frozenset(model.trainable_names)
-    in_units = tuple(n for u in unit_plans for n in u.grad_inputs if n not in u.external)
+    plan = make_plan(model, mesh, axis, units=units, replicate_axis=replicate_axis, place=place,
+                     grad_reduce=grad_reduce, prefetch=prefetch,
+                     reshard_after_forward=reshard_after_forward, save=remat is None,
+                     policy=policy)
     return ShardedModel(
         functional=model, mesh=mesh, axis=axis, replicate_axis=replicate_axis,
-        units=paths, specs=specs, names=model.names,
+        units=plan.unit_paths, specs=dict(plan.specs), names=model.names,
         reshard_after_forward=bool(reshard_after_forward), prefetch=prefetch,
         grad_reduce=grad_reduce, precision=precision,
         offload=OffloadPolicy(place.storage, place.compute, place.pin) if place.offload else None,
-        remat=remat, _policy=policy, _save=remat is None, _units=unit_plans, _root=root, _ax=ax,
-        _replicate_ax=replicate_ax, _all_ax=all_ax,
-        _local_shapes=local_shapes, _buffer_set=frozenset(model.buffer_names),
-        _trainable_set=trainable, _unit_trainable=in_units,
-        _init_groups=init_groups(model, paths), _order_hint=[], _token=token,
-        _place=place, _masters={name: shapes[name].dtype for name in model.names},
-        _variants={},
-    )
+        remat=remat, _plan=plan, _guess=PrefetchGuess(len(plan.units)), _variants={})
 
 
-# ``sf.transforms.shard_params`` is this function (the package re-exports it over the module
-# name), so the policy class is reachable from it as well: shard_params.OffloadPolicy(...)
+# ``sf.transforms.shard_params`` is this function (``transforms/__init__`` binds the package's
+# name to it), and an existing public contract reaches the policy class through it:
+# ``sf.transforms.shard_params.OffloadPolicy`` (tests/transforms/test_shard_params_offload.py)
 shard_params.OffloadPolicy = OffloadPolicy  # type: ignore[attr-defined]
-
-

@@ -1,4 +1,4 @@
-"""The collectives of one `shard_params` unit, as point-to-point exchanges in place.
+"""The exchange layer of `shard_params`: the gather and the reduction of one unit.
 
 A unit's all-gather writes straight into the unit's full parameters and its
 reduce-scatter reads straight from the full gradients: no flat buffer is
@@ -19,43 +19,57 @@ packed before the collective or unpacked after it.
 * :class:`UnitReduce` sends every other rank its rows of each full gradient
   and sums the rows this rank owns into zero-padded shard gradients.
 
-Both use the piece exchange of :mod:`shardfn.primitives.flat` (gloo point-to-point
-sends and receives, about twice as fast as gloo's all_gather / reduce_scatter on
-a 2-rank CPU world, and free of their copies), posted from a background thread on
-CPU (:mod:`shardfn.primitives._poster`: gloo's connection lock would otherwise
-stall the compute thread behind a transfer in flight). Every exchange of a step
-gets its own tag, so several may be in flight between the same ranks.
+Both use the piece exchange of :mod:`shardfn.primitives.piece_exchange` (gloo
+point-to-point sends and receives, about twice as fast as gloo's all_gather /
+reduce_scatter on a 2-rank CPU world, and free of their copies), posted from a
+background thread on CPU (:mod:`shardfn.primitives._poster`: gloo's connection lock
+would otherwise stall the compute thread behind a transfer in flight). Every exchange
+of an apply call gets its own tag (from :data:`shardfn.primitives.tags.UNITS`), so several may be in
+flight between the same ranks.
+
+* :class:`Reduction` wraps :class:`UnitReduce` with what a gradient needs around the
+  exchange: the leaves asked for, FSDP2's pre/post division, the HSDP sum over the
+  replica axis, the replicated (0-dim) leaves, the copy back to the storage device.
+
+Example:
+    >>> tags = Tags()
+    >>> full = UnitGather(unit, shards, plan.ax, plan.place, tags()).wait()
+    >>> shard_grads = Reduction(plan, unit, full_grads, tags()).wait()
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-from shardfn.primitives import stats
+from shardfn import _torch_internals as ti
+from shardfn.primitives import _comm, stats
 from shardfn.primitives._comm import Axis
-from shardfn.primitives.flat import (
+from shardfn.primitives.flat import all_reduce_async
+from shardfn.primitives.piece_exchange import (
     BucketPlan,
     Exchange,
     finish_reduce_scatter,
     start_all_gather,
     start_reduce_scatter,
 )
+from shardfn.primitives.reduce_scaling import divide_factors
+from shardfn.primitives.tags import UNITS
+from shardfn.transforms.shard_params.placement import Placement
+from shardfn.transforms.shard_params.plan import Flat, Plan, Unit
 
-if TYPE_CHECKING:
-    from shardfn.transforms._unit_plan import Flat, Unit
-    from shardfn.transforms._units import Placement
+__all__ = ["Reduction", "Tags", "UnitGather", "UnitReduce", "no_functorch"]
 
-__all__ = ["TagCounter", "UnitGather", "UnitReduce", "no_functorch"]
+Params = dict[str, torch.Tensor]
 
-_resize = torch.ops.inductor.resize_storage_bytes_
-no_functorch = torch._C._DisableFuncTorch
+no_functorch = ti.DisableFuncTorch
 """Context manager: run plain tensor ops even inside a torch.func transform's backward."""
 
-_TAG_BASE = 1 << 12  # clear of the fixed tags of the data-parallel / ZeRO-1/2 exchanges
+# The storage resize goes through the op (not ``untyped_storage().resize_()``, which is
+# public but invisible to dispatch modes): ``shardfn.memory``'s tracker sees the frees.
+_resize = ti.resize_storage_bytes_
 
 
 def _on_cpu(tensors: list[torch.Tensor]) -> bool:
@@ -243,13 +257,78 @@ class UnitReduce:
         return self.chunks
 
 
-class TagCounter:
-    """Hands out message tags in order: every rank starts the same exchanges in the same order."""
+class Reduction:
+    """The reduction of one unit's gradients: reduce-scatters issued now, finished by wait().
+
+    Takes ownership of ``grads`` (full gradients of the unit's owned trainable leaves).
+    Only the leaves in ``wanted`` (None: all) are reduced: a leaf left out of the
+    differentiation costs no communication. They are reduced in the reduce dtype; the
+    shard gradients come back in the master dtype, on the storage device. With HSDP the
+    shards are then summed over the replica axis.
+
+    In fp16/bf16 the gradients are divided by ``pre`` before the sum and by ``post``
+    after it (``divide_factors`` over every data-parallel rank, as FSDP2 does), so a
+    mean that fits the dtype does not overflow on the way; ``grad_reduce="sum"``
+    multiplies ``pre`` back instead (in the master dtype).
+    """
+
+    def __init__(self, plan: Plan, unit: Unit, grads: dict[str, torch.Tensor],
+                 tag: int, wanted: frozenset[str] | None = None):
+        self.plan, self.unit = plan, unit
+        if wanted is not None:
+            grads = {n: g for n, g in grads.items() if n in wanted}
+        self.flats = unit.scatter_for(wanted)
+        count = plan.all_ax.size
+        self.factors = [divide_factors(count, flat.dtype) for flat in self.flats]
+        self.replicated = {n: grads.pop(n).detach() for n in unit.replicated if n in grads}
+        self.exchange = UnitReduce(unit, grads, plan.ax, tag, self.flats,
+                                   [pre for pre, _ in self.factors])
+
+    def _finish(self, chunk: torch.Tensor, pre: float, post: float) -> None:
+        """Scale a reduced chunk (a fresh tensor of ours, in the master dtype) in place."""
+        with no_functorch():
+            if self.plan.grad_reduce == "mean":
+                if post != 1.0:
+                    chunk.div_(post)
+            elif pre != 1.0:
+                chunk.mul_(pre)
+
+    def wait(self) -> Params:
+        """This rank's shard gradients (``name -> tensor`` of the local shard shape)."""
+        plan, unit = self.plan, self.unit
+        chunks = self.exchange.wait()
+        rep = plan.replicate_ax
+        if rep is not None and rep.size > 1 and chunks:
+            with stats.collective_scope(rep.describe(f"psum of unit {unit.label}")):
+                handles = [all_reduce_async(c, rep) for c in chunks]
+                chunks = [ti.c10d_functional.wait_tensor(h) for h in handles]
+        place, out = plan.place, {}
+        for flat, chunk, (pre, post) in zip(self.flats, chunks, self.factors, strict=True):
+            chunk = chunk.to(flat.master)  # a fresh tensor of ours: scaled in place
+            self._finish(chunk, pre, post)
+            for name, local, offset in zip(flat.names, flat.local_shapes, flat.offsets,
+                                           strict=True):
+                out[name] = place.to_storage(chunk[offset:offset + math.prod(local)].view(local))
+        for name, grad in self.replicated.items():
+            master = plan.masters[name]
+            dtype = place.comm_reduce_dtype(master)
+            pre, post = divide_factors(plan.all_ax.size, dtype)
+            reduced = _comm.psum((grad / pre if pre != 1.0 else grad).to(dtype), plan.all_ax)
+            reduced = reduced.to(master)
+            scaled = (reduced / post if post != 1.0 else reduced) if plan.grad_reduce == "mean" \
+                else (reduced * pre if pre != 1.0 else reduced)
+            out[name] = place.to_storage(scaled)
+        return out
+
+
+class Tags:
+    """Hands out one apply call's message tags in order, from :data:`UNITS`: every rank
+    starts the same exchanges in the same order, so the same exchange gets the same tag."""
 
     def __init__(self) -> None:
         self.next = 0
 
     def __call__(self) -> int:
-        tag = _TAG_BASE + self.next % (1 << 16)
+        tag = UNITS.tag(self.next)
         self.next += 1
         return tag

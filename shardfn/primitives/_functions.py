@@ -1,0 +1,157 @@
+"""The ``autograd.Function`` behind each collective of :mod:`shardfn.primitives.collectives`.
+
+Each is written in the ``forward`` + ``setup_context`` style and calls the
+functional collective ops (through :mod:`shardfn.primitives._comm`), so it runs
+under ``torch.autograd`` and every ``torch.func`` transform. Its backward is
+JAX's transpose rule, written with these Functions themselves, its jvp applies
+the same Function to the tangent, and its vmap rule runs one collective on the
+batched tensor. Callers validate their arguments first (see
+:mod:`shardfn.primitives._collective_args`).
+
+Example:
+    >>> Psum.apply(torch.ones(3), ax, True)   # tensor([2., 2., 2.]) on 2 ranks
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardfn.primitives import _comm
+from shardfn.primitives._comm import Axis
+
+__all__ = ["AllGather", "AllToAll", "Broadcast", "Ppermute", "Psum", "PsumScatter", "Pvary"]
+
+
+# Each backward is written with the Functions themselves (JAX's transpose rules as
+# collectives), never with the raw ``_comm`` ops: under ``vmap(grad(f))`` the incoming
+# gradient is a batched tensor, and a raw op on it would hit torch's per-example
+# fallback (one collective per example, racing the other ranks' ones: wrong values).
+# Through ``apply`` the vmap rule runs ONE collective on the batched tensor, and the
+# backward is itself differentiable (double backward, jacrev of a vjp).
+
+
+class _Collective(torch.autograd.Function):
+    """What every collective shares: ``ctx.args`` keeps the static arguments after ``x``.
+
+    A collective is linear, so its jvp (forward mode: ``torch.func.jvp``, ``jacfwd``,
+    ``hessian``) applies the same Function to the tangent; a collective that takes no
+    dims batches by applying itself to the batched tensor.
+    """
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
+
+    @classmethod
+    def jvp(cls, ctx, tangent, *_):
+        return cls.apply(tangent, *ctx.args)
+
+    @classmethod
+    def vmap(cls, info, in_dims, x, *args):
+        return cls.apply(x, *args), in_dims[0]
+
+
+class _AlongDims(_Collective):
+    """A collective given dims after the axis: its vmap rule moves the batch dim to the front
+    and shifts those dims by one."""
+
+    @classmethod
+    def vmap(cls, info, in_dims, x, ax, *dims):
+        bdim = in_dims[0]
+        if bdim is None:
+            return cls.apply(x, ax, *dims), None
+        return cls.apply(x.movedim(bdim, 0), ax, *(d + 1 for d in dims)), 0
+
+
+class Psum(_Collective):
+    """psum; backward psum (``grad_psum``, the varying rule) or pvary (the invariant rule)."""
+
+    @staticmethod
+    def forward(x, ax: Axis, grad_psum: bool):
+        return _comm.psum(x, ax)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ax, grad_psum = ctx.args
+        return (Psum.apply(grad, ax, True) if grad_psum else Pvary.apply(grad, ax)), None, None
+
+
+class Pvary(_Collective):
+    """Identity; backward psum whose own backward is the identity (transposes twice to pvary)."""
+
+    @staticmethod
+    def forward(x, ax: Axis):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return Psum.apply(grad, ctx.args[0], False), None
+
+
+class AllGather(_AlongDims):
+    """Concatenate along ``dim``; backward psum_scatter."""
+
+    @staticmethod
+    def forward(x, ax: Axis, dim: int):
+        return _comm.all_gather(x, ax, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return PsumScatter.apply(grad, *ctx.args), None, None
+
+
+class PsumScatter(_AlongDims):
+    """Sum and keep this rank's block of ``dim``; backward all_gather."""
+
+    @staticmethod
+    def forward(x, ax: Axis, dim: int):
+        return _comm.psum_scatter(x, ax, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return AllGather.apply(grad, *ctx.args), None, None
+
+
+class AllToAll(_AlongDims):
+    """Split ``split_dim``, exchange, concatenate along ``concat_dim``; backward swaps them."""
+
+    @staticmethod
+    def forward(x, ax: Axis, split_dim: int, concat_dim: int):
+        return _comm.all_to_all(x, ax, split_dim, concat_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ax, split_dim, concat_dim = ctx.args
+        return AllToAll.apply(grad, ax, concat_dim, split_dim), None, None, None
+
+
+class Ppermute(_Collective):
+    """Send along ``perm``; backward sends along the inverse permutation."""
+
+    @staticmethod
+    def forward(x, ax: Axis, perm: tuple[tuple[int, int], ...]):
+        return _comm.ppermute(x, ax, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ax, perm = ctx.args
+        return Ppermute.apply(grad, ax, tuple((dst, src) for src, dst in perm)), None, None
+
+
+class Broadcast(_Collective):
+    """Copy from axis index ``src``; backward psum into ``src``, zeros elsewhere."""
+
+    @staticmethod
+    def forward(x, ax: Axis, src: int):
+        return _comm.broadcast(x, ax, src)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ax, src = ctx.args
+        total = Psum.apply(grad, ax, True)
+        if ax.index == src:
+            return total, None, None
+        # zeros that stay in the graph (not zeros_like): a double backward must run the
+        # psum's backward on every rank; where, not "* 0", so an inf stays out of it
+        is_src = torch.zeros((), dtype=torch.bool, device=total.device)
+        return torch.where(is_src, total, 0), None, None

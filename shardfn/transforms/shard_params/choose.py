@@ -1,0 +1,89 @@
+"""Choosing the units of a `shard_params` model (the ``units=`` argument).
+
+Example:
+    >>> resolve_units(fmodel, Block)        # every Block, outermost first
+    ('blocks.0', 'blocks.1')
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+
+from torch import nn
+
+from shardfn.functional import FunctionalModel
+
+__all__ = ["UnitPolicy", "resolve_units", "suggest"]
+
+UnitPolicy = type | tuple[type, ...] | int | Sequence[str] | None
+"""A module class (or tuple of classes), a minimum parameter count, module paths, or None."""
+
+
+def resolve_units(model: FunctionalModel, units: UnitPolicy) -> tuple[str, ...]:
+    """The module paths of the units ``units`` chooses, outermost, in registration order.
+
+    Raises:
+        TypeError / ValueError: a policy of the wrong kind, or one that matches nothing
+            (the message lists what exists).
+    """
+    named = dict(model.module.named_modules())
+    if units is None:
+        return ()
+    if isinstance(units, type) or (isinstance(units, tuple) and units
+                                   and all(isinstance(u, type) for u in units)):
+        classes = units if isinstance(units, tuple) else (units,)
+        chosen = [p for p, m in named.items() if p and isinstance(m, classes)]
+        what = f"units={'/'.join(c.__name__ for c in classes)}"
+    elif isinstance(units, int) and not isinstance(units, bool):
+        if units < 1:
+            raise ValueError(f"units={units}: a minimum parameter count must be >= 1")
+        chosen = []
+        _by_size("", model.module, units, chosen)
+        what = f"units={units} (min parameters per unit)"
+    elif isinstance(units, Sequence) and not isinstance(units, str) and all(
+            isinstance(p, str) for p in units):
+        for path in units:
+            if path == "":
+                raise ValueError("units: '' is the root, which is always the root unit")
+            if path not in named:
+                raise ValueError(f"units: no submodule at path {path!r}"
+                                 + suggest([path], list(named)))
+        chosen = list(units)
+        what = f"units={list(units)}"
+    else:
+        raise TypeError(f"units must be a module class, a tuple of classes, an int (min "
+                        f"parameters) or a list of module paths; got {units!r}")
+    chosen = [p for p in named if p in set(chosen)]  # registration order
+    outermost = [p for p in chosen if not any(p.startswith(q + ".") for q in chosen if q != p)]
+    if not outermost:
+        kinds = sorted({type(m).__name__ for p, m in named.items() if p})
+        raise ValueError(f"{what} matches no submodule of {type(model.module).__name__}; its "
+                         f"submodule classes are {kinds}")
+    for path in outermost:
+        if not _callable(named[path]):
+            raise ValueError(f"unit {path!r} is a {type(named[path]).__name__}, which has no "
+                             f"forward to run; choose the modules inside it")
+    return tuple(outermost)
+
+
+def _callable(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward
+
+
+def _by_size(path: str, module: nn.Module, min_numel: int, chosen: list[str]) -> bool:
+    """Post-order: a callable module with no unit inside holding >= min_numel becomes one."""
+    inside = False
+    for name, child in module.named_children():
+        inside |= _by_size(f"{path}.{name}" if path else name, child, min_numel, chosen)
+    if not inside and path and _callable(module):
+        if sum(p.numel() for p in module.parameters()) >= min_numel:
+            chosen.append(path)
+            return True
+    return inside
+
+
+def suggest(names: Sequence[str], candidates: Sequence[str]) -> str:
+    """A "did you mean" hint for the first few ``names`` (or '')."""
+    hints = [m for name in names[:3] for m in difflib.get_close_matches(name, candidates, n=1)]
+    return f"; did you mean {hints}?" if hints else ""

@@ -1,0 +1,128 @@
+"""Small pieces the call layer of `shard_params` is built from: argument trees taken
+apart for ``autograd.Function`` s, what a unit call leaves for backward, plain tensors,
+module calls, recorded vjps, RNG.
+
+Example:
+    >>> spec, tensors = TreeSpec.of((args, kwargs))
+    >>> args, kwargs = spec.build(tensors)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from shardfn import pytree
+from shardfn._torch_internals import temporarily_clear_interpreter_stack, unwrap_functorch
+from shardfn.transforms.recording import RngState
+from shardfn.transforms.shard_params.exchange import UnitGather, no_functorch
+from shardfn.transforms.shard_params.plan import Unit
+
+__all__ = ["CallRecord", "TreeSpec", "call_module", "detached", "float_outputs", "is_float",
+           "plain", "recorded_vjp", "set_rng"]
+
+Params = dict[str, torch.Tensor]
+
+
+class TreeSpec(NamedTuple):
+    """A pytree with its tensor leaves taken out (they travel through autograd.Functions)."""
+
+    treedef: Any
+    is_tensor: tuple[bool, ...]
+    constants: tuple[Any, ...]  # the non-tensor leaves
+
+    @staticmethod
+    def of(tree: Any) -> tuple[TreeSpec, list[torch.Tensor]]:
+        """The spec of ``tree`` and its tensor leaves, in order."""
+        leaves, treedef = pytree.tree_flatten(tree)
+        is_tensor = tuple(isinstance(x, torch.Tensor) for x in leaves)
+        constants = tuple(x for x, t in zip(leaves, is_tensor, strict=True) if not t)
+        return TreeSpec(treedef, is_tensor, constants), [x for x in leaves if
+                                                           isinstance(x, torch.Tensor)]
+
+    def build(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The tree again, with ``tensors`` as its tensor leaves."""
+        tensors, constants = iter(tensors), iter(self.constants)
+        leaves = [next(tensors) if t else next(constants) for t in self.is_tensor]
+        return pytree.tree_unflatten(self.treedef, leaves)
+
+
+@dataclasses.dataclass
+class CallRecord:
+    """What one unit call in forward leaves for its backward."""
+
+    outputs: list[torch.Tensor]  # its output tensors, handed back by UnitFn.forward
+    versions: list[int]  # their version counters, to catch in-place changes
+    spec: TreeSpec
+    rng_before: RngState
+    rng_after: RngState
+    replay: dict | None = None  # the remat policy's saved op outputs inside the unit
+    vjp_fn: Callable | None = None  # activations kept (remat=None): the unit's vjp
+    gather: UnitGather | None = None  # its full parameters (storage released until backward)
+    buffers: Params | None = None  # its buffers as the call found them (for a recompute)
+
+
+def call_module(unit: Unit, params: Params, args: tuple, kwargs: dict) -> Any:
+    """Run ``unit.module`` on ``params`` (by the module's own names)."""
+    return torch.func.functional_call(unit.module, params, args, kwargs, tie_weights=True,
+                                      strict=True)
+
+
+def plain(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Strip functorch wrappers (saved tensors of a finished vjp level would trip its asserts)."""
+    return [None if t is None else unwrap_functorch(t).detach() for t in tensors]
+
+
+def is_float(x: torch.Tensor) -> bool:
+    """Whether ``x`` can carry a gradient (floating or complex)."""
+    return x.is_floating_point() or x.is_complex()
+
+
+def float_outputs(out: Any, outputs_float: Sequence[bool]) -> tuple[torch.Tensor, ...]:
+    """The tensors of ``out`` whose flag in ``outputs_float`` is set."""
+    tensors = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+    return tuple(x for x, f in zip(tensors, outputs_float, strict=True) if f)
+
+
+def detached(tree: Any) -> Any:
+    """``tree`` with every tensor detached."""
+    return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)
+
+
+def recorded_vjp(out: Any, groups: tuple[Mapping, ...]) -> Callable:
+    """The vjp of a recorded autograd graph from the floating tensors of ``out`` to the
+    tensors of ``groups`` (mappings key -> leaf requiring grad).
+
+    Returns ``fn(cotangents) -> tuple of {key: grad}`` (one per group, zeros where
+    unused), like ``torch.func.vjp`` of the same computation. It runs plain autograd
+    with functorch disabled, so it may be called inside a ``torch.func`` transform's
+    backward; it frees the graph.
+    """
+    outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and is_float(o)]
+    inputs = [t for group in groups for t in group.values()]
+
+    def vjp_fn(cotangents: Sequence[torch.Tensor]) -> tuple[dict, ...]:
+        pairs = [(o, g) for o, g in zip(outs, cotangents, strict=True) if o.requires_grad]
+        grads: Sequence[torch.Tensor | None] = [None] * len(inputs)
+        if pairs and inputs:
+            # functorch off, and its interpreter stack hidden: an autograd.Function whose
+            # backward calls another Function's apply (the collectives') then runs as plain
+            # autograd instead of functorch's custom_function_call
+            with no_functorch(), temporarily_clear_interpreter_stack():
+                grads = torch.autograd.grad([o for o, _ in pairs], inputs,
+                                            [g for _, g in pairs], allow_unused=True)
+        it = iter(torch.zeros(x.shape, dtype=x.dtype, device=x.device) if g is None else g
+                  for g, x in zip(grads, inputs, strict=True))
+        return tuple({key: next(it) for key in group} for group in groups)
+
+    return vjp_fn
+
+
+def set_rng(state: RngState) -> None:
+    """Set the RNG state to ``state`` (as a unit call left it in forward), for good."""
+    torch.set_rng_state(state.cpu)
+    for index, cuda_state in state.cuda.items():
+        torch.cuda.set_rng_state(cuda_state, index)
