@@ -7,7 +7,7 @@ Example:
     P('dp', None)
 """
 
-from shardfn import distributed, memory, optim, pytree
+from shardfn import distributed, memory, models, optim, pytree
 from shardfn.functional import FunctionalModel, ShapeDtype, functional
 from shardfn.mesh import Mesh, get_mesh, set_mesh
 from shardfn.primitives import (
@@ -48,6 +48,7 @@ from shardfn.transforms import (
     split_batch,
     static_loss_scale,
     sync_batch_norm,
+    vocab_parallel_cross_entropy,
     with_precision,
 )
 from shardfn.transforms.remat import Offload, checkpoint_name, checkpoint_policies, remat
@@ -91,6 +92,7 @@ __all__ = [
     "layout_of",
     "local_shape",
     "memory",
+    "models",
     "optim",
     "pmean",
     "pmean_invariant",
@@ -110,6 +112,7 @@ __all__ = [
     "split_batch",
     "static_loss_scale",
     "sync_batch_norm",
+    "vocab_parallel_cross_entropy",
     "with_precision",
     "spec_axes",
     "testing",

@@ -14,6 +14,7 @@ from shardfn.transforms.precision import Precision, cast_floating, with_precisio
 from shardfn.transforms.shard_opt_state import ShardedOptimizer, ShardedOptState, shard_opt_state
 from shardfn.transforms.shard_params import OffloadPolicy, ShardedModel, shard_params
 from shardfn.transforms.sync_batch_norm import SyncBatchNorm, sync_batch_norm
+from shardfn.transforms.vocab_parallel import vocab_parallel_cross_entropy
 
 __all__ = [
     "DataParallel",
@@ -36,5 +37,6 @@ __all__ = [
     "split_batch",
     "static_loss_scale",
     "sync_batch_norm",
+    "vocab_parallel_cross_entropy",
     "with_precision",
 ]
