@@ -146,3 +146,39 @@ def test_errors():
         with pytest.raises(ValueError, match="target 5 is outside"):
             sf.vocab_parallel_cross_entropy(logits, targets + 5)
         assert sf.vocab_parallel_cross_entropy(logits, targets - 100).isnan()  # all ignored
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_tied_head_into_the_loss(worlds, n):
+    """The GPT plan's head: pvary(h) @ tok_rows.T -> vocab-parallel logits -> this loss. The
+    gradients w.r.t. the hidden state (psum-ed by pvary) and the rank's embedding rows equal
+    the unsplit model's, under torch.func.grad and autograd."""
+    vocab, d = 9, 4
+    gen = torch.Generator().manual_seed(n)
+    hidden = torch.randn(2, 3, d, generator=gen, dtype=torch.float64)
+    weight = torch.randn(vocab, d, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, vocab, (2, 3), generator=gen)
+    local_vocab = math.ceil(vocab / n)
+    rows = list(F.pad(weight, (0, 0, 0, n * local_vocab - vocab)).split(local_vocab))
+
+    def on_rank(rows, hidden, targets):
+        mesh = sf.Mesh({"tp": n})
+        local_rows = rows[sf.axis_index("tp", mesh=mesh)]
+
+        def loss(h, w):
+            logits = F.linear(sf.pvary(h, "tp", mesh=mesh), w)
+            return sf.vocab_parallel_cross_entropy(logits, targets, "tp", mesh=mesh,
+                                                   vocab_size=vocab)
+
+        g_func = torch.func.grad(loss, argnums=(0, 1))(hidden, local_rows)
+        h, w = hidden.clone().requires_grad_(), local_rows.clone().requires_grad_()
+        loss(h, w).backward()
+        return g_func, (h.grad, w.grad)
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    F.cross_entropy(F.linear(h, w).reshape(-1, vocab), targets.reshape(-1)).backward()
+    ref_rows = F.pad(w.grad, (0, 0, 0, n * local_vocab - vocab)).split(local_vocab)
+    for rank, results in enumerate(worlds(n).run(on_rank, rows, hidden, targets)):
+        for g_hidden, g_rows in results:
+            assert_close(g_hidden, h.grad)
+            assert_close(g_rows, ref_rows[rank])
