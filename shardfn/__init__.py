@@ -30,14 +30,20 @@ from shardfn.primitives import (
 from shardfn.primitives.consistency import ConsistencyError, check_consistency
 from shardfn.spec import Layout, P, gather, layout_of, local_shape, shard, spec_axes
 from shardfn.transforms import (
+    Colwise,
     DataParallel,
+    FusedLayout,
     LossScaler,
     OffloadPolicy,
     Precision,
+    Replicate,
+    Rowwise,
     ScaleState,
     ShardedModel,
     ShardedOptimizer,
     ShardedOptState,
+    TensorSplitModel,
+    Vocab,
     accumulate_grads,
     all_finite,
     data_parallel,
@@ -48,6 +54,7 @@ from shardfn.transforms import (
     split_batch,
     static_loss_scale,
     sync_batch_norm,
+    tensor_split,
     vocab_parallel_cross_entropy,
     with_precision,
 )
@@ -56,10 +63,12 @@ from shardfn.transforms.remat import Offload, checkpoint_name, checkpoint_polici
 __version__ = "0.1.0"
 
 __all__ = [
+    "Colwise",
     "CommStats",
     "ConsistencyError",
     "DataParallel",
     "FunctionalModel",
+    "FusedLayout",
     "ScaleState",
     "ShapeDtype",
     "ShardedOptState",
@@ -69,6 +78,10 @@ __all__ = [
     "LossScaler",
     "Precision",
     "Mesh",
+    "Replicate",
+    "Rowwise",
+    "TensorSplitModel",
+    "Vocab",
     "Offload",
     "OffloadPolicy",
     "P",
@@ -112,6 +125,7 @@ __all__ = [
     "split_batch",
     "static_loss_scale",
     "sync_batch_norm",
+    "tensor_split",
     "vocab_parallel_cross_entropy",
     "with_precision",
     "spec_axes",
