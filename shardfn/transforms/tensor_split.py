@@ -87,6 +87,17 @@ class FusedLayout:
     parts: int
     shape: tuple[int, ...]
 
+    def _refuse(self) -> TypeError:
+        return TypeError(f"{self} describes a fused leaf (rank r holds block r of each of its "
+                         f"{self.parts} parts), which sf.gather/sf.shard cannot express: use "
+                         "TensorSplitModel.gather_params(params) / shard_params_tree(full)")
+
+    def __len__(self) -> int:
+        raise self._refuse()
+
+    def __iter__(self):
+        raise self._refuse()
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TensorSplitModel:
@@ -236,6 +247,36 @@ def _match(plan: Mapping[str, object], paths: list[str]) -> dict[str, Style]:
     return styles
 
 
+def _detect_fused(style: Style, path: str, skeleton: nn.Module) -> Style:
+    """A plain ``Colwise()`` on a module named ``qkv`` is a fused ``[q|k|v]``: ``fused=3``, with
+    ``n_heads`` from the parent's ``head_dim`` when it has one (as ``shardfn.models.GPT``)."""
+    if style != Colwise() or path.rpartition(".")[2] != "qkv":
+        return style
+    parent = skeleton.get_submodule(path.rpartition(".")[0])
+    head_dim = getattr(parent, "head_dim", None)
+    rows = skeleton.get_submodule(path).out_features
+    if isinstance(head_dim, int) and head_dim > 0 and rows % (3 * head_dim) == 0:
+        return Colwise(fused=3, n_heads=rows // (3 * head_dim))
+    return Colwise(fused=3)
+
+
+def _check_tied(alias: str, owner_name: str, split: dict, axis: str) -> None:
+    """Tied names must be split alike by every module that uses them (or by none)."""
+    use_alias, use_owner = split.get(alias), split.get(owner_name)
+    spec_alias = use_alias[0] if use_alias else P()
+    spec_owner = use_owner[0] if use_owner else P()
+    fused = any(use and isinstance(use[2], Colwise) and use[2].fused > 1
+                for use in (use_alias, use_owner))
+    if spec_alias != spec_owner or fused:
+        where = {n: (u[1] if u else "not in the plan") for n, u in
+                 ((alias, use_alias), (owner_name, use_owner))}
+        raise ValueError(f"tensor_split: {alias!r} is tied to {owner_name!r}, but they are split "
+                         f"differently over {axis!r}: {alias!r} {spec_alias} (module "
+                         f"{where[alias]}), {owner_name!r} {spec_owner} (module "
+                         f"{where[owner_name]}); tied weights need the same split in every "
+                         "module that uses them (e.g. 'vocab' embedding + 'colwise' head)")
+
+
 def tensor_split(fmodel: FunctionalModel, mesh: Mesh | None = None, axis: str = "tp",
                  plan: Mapping[str, object] | None = None) -> TensorSplitModel:
     """Split the layers named by ``plan`` over mesh axis ``axis`` (Megatron tensor parallelism).
@@ -279,23 +320,22 @@ def tensor_split(fmodel: FunctionalModel, mesh: Mesh | None = None, axis: str = 
     skeleton = copy.deepcopy(fmodel.module)
     paths = [p for p, _ in skeleton.named_modules(remove_duplicate=False)]
     styles = _match(plan or {}, paths)
-    shapes = fmodel.param_shapes()
-    specs: dict[str, Layout | FusedLayout] = {
-        name: Layout(P(), tuple(sd.shape)) for name, sd in shapes.items()}
-    aliased = {owner_name for owner_name in fmodel.tied.values()}
+    split: dict[str, tuple[P, str, Style]] = {}  # leaf name (aliases too) -> spec, module, style
     for path, style in styles.items():
         module = skeleton.get_submodule(path)
+        style = styles[path] = _detect_fused(style, path, skeleton)
         for leaf, spec in leaf_specs(module, path, style, axis, tp).items():
-            name = f"{path}.{leaf}"
-            if name not in specs:
-                continue  # a bias=False linear
-            if name in aliased or name in fmodel.tied:
-                raise ValueError(f"tensor_split: leaf {name!r} of module {path!r} is tied to "
-                                 "another name; splitting tied weights is not supported yet")
-            fused = isinstance(style, Colwise) and style.fused > 1
-            specs[name] = (FusedLayout(axis, style.fused, specs[name].shape) if fused
-                           else Layout(spec, specs[name].shape))
+            if getattr(module, leaf, None) is not None:
+                split[f"{path}.{leaf}"] = (spec, path, style)
         parent_path, _, child = path.rpartition(".")
         setattr(skeleton.get_submodule(parent_path), child, wrap(module, style, mesh, axis))
+    for alias, owner_name in fmodel.tied.items():
+        _check_tied(alias, owner_name, split, axis)
+    specs: dict[str, Layout | FusedLayout] = {}
+    for name, shape in fmodel.param_shapes().items():
+        spec, _, style = split.get(name, (P(), "", Replicate()))
+        fused = isinstance(style, Colwise) and style.fused > 1
+        specs[name] = (FusedLayout(axis, style.fused, tuple(shape.shape)) if fused
+                       else Layout(spec, tuple(shape.shape)))
     specs = {name: specs[name] for name in fmodel.names}
     return TensorSplitModel(fmodel, mesh, axis, styles, skeleton, specs)

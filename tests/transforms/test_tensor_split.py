@@ -21,6 +21,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import shardfn as sf
+from shardfn.models import GPT, GPTConfig, gpt_tp_plan
 from shardfn.transforms.tensor_split import Colwise, FusedLayout, tensor_split
 
 
@@ -111,6 +112,11 @@ def _build(case: dict):
         fmodel = sf.functional(MLP(case["d"], case["hidden"]))
         x = torch.randn(case["b"], case["s"], case["d"])
         return fmodel, MLP_PLAN, x
+    if case["kind"] == "gather":  # a colwise layer whose output is gathered, then a whole one
+        net = nn.Sequential(nn.LayerNorm(case["d"]), nn.Linear(case["d"], case["hidden"]),
+                            nn.GELU(), nn.Linear(case["hidden"], case["d"]))
+        x = torch.randn(case["b"], case["s"], case["d"])
+        return sf.functional(net), {"1": Colwise(gather_output=True)}, x
     fmodel = sf.functional(TinyAttnLM(case["vocab"], case["d"], case["heads"]))
     x = torch.randint(0, case["vocab"], (case["b"], case["s"]))
     return fmodel, attn_plan(case["heads"]), x
@@ -145,6 +151,14 @@ def test_mlp_block_equals_unsplit(worlds, n, d, mult, b, s, seed):
                     "seed": seed, "ln": "mlp.ln.weight"})
 
 
+@settings(max_examples=3)
+@given(n=st.sampled_from([2, 4]), mult=st.integers(1, 2), b=st.integers(1, 2),
+       seed=st.integers(0, 2**16))
+def test_colwise_gather_output_equals_unsplit(worlds, n, mult, b, seed):
+    _check(worlds, {"kind": "gather", "n": n, "d": 4, "hidden": n * mult, "b": b, "s": 3,
+                    "seed": seed, "ln": "0.weight"})
+
+
 @settings(max_examples=4)
 @given(n=st.sampled_from([2, 4]), head_dim=st.sampled_from([2, 4]),
        heads_per_rank=st.integers(1, 2), vocab_per_rank=st.integers(1, 5),
@@ -155,6 +169,53 @@ def test_fused_qkv_attention_equals_unsplit(worlds, n, head_dim, heads_per_rank,
     _check(worlds, {"kind": "attn", "n": n, "d": heads * head_dim, "heads": heads,
                     "vocab": n * vocab_per_rank, "b": b, "s": s, "seed": seed,
                     "ln": "attn.ln.weight"})
+
+
+def _gpt(case: dict):
+    config = GPTConfig(vocab_size=case["vocab"], d_model=case["d"], n_layers=2,
+                       n_heads=case["heads"], seq_len=8, dropout=0.0)
+    torch.manual_seed(1234)
+    tokens = torch.randint(0, case["vocab"], (case["b"], case["s"]))
+    targets = torch.randint(0, case["vocab"], (case["b"], case["s"]))
+    return sf.functional(GPT(config)), tokens, targets
+
+
+def _gpt_on_rank(case: dict):
+    fmodel, tokens, targets = _gpt(case)
+    model = tensor_split(fmodel, sf.Mesh({"tp": case["n"]}), "tp", gpt_tp_plan())
+    params = model.init(case["seed"])
+
+    def loss_fn(p):  # the head's logits stay vocab-split: no gather of the logits
+        return sf.vocab_parallel_cross_entropy(model.apply(p, tokens), targets, "tp",
+                                               mesh=model.mesh)
+
+    grads, loss = torch.func.grad_and_value(loss_fn)(params)
+    leaves = {n: t.clone().requires_grad_(True) for n, t in params.items()}
+    loss_fn(leaves).backward()
+    return (loss, model.gather_params(params), model.gather_params(grads),
+            model.gather_params({n: t.grad for n, t in leaves.items()}), grads["ln_f.weight"])
+
+
+@settings(max_examples=3)
+@given(n=st.sampled_from([2, 4]), heads_per_rank=st.integers(1, 2),
+       vocab_per_rank=st.integers(1, 4), s=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_reference_gpt_with_its_plan_equals_unsplit(worlds, n, heads_per_rank, vocab_per_rank,
+                                                    s, seed):
+    case = {"n": n, "heads": n * heads_per_rank, "d": 2 * n * heads_per_rank,
+            "vocab": n * vocab_per_rank, "b": 2, "s": s, "seed": seed}
+    fmodel, tokens, targets = _gpt(case)
+    params = fmodel.init(seed)
+
+    def loss_fn(p):
+        return F.cross_entropy(fmodel.apply(p, tokens).flatten(0, 1), targets.flatten())
+
+    grads, loss = torch.func.grad_and_value(loss_fn)(params)
+    for got_loss, full, got_grads, got_autograd, local_ln in worlds(n).run(_gpt_on_rank, case):
+        assert_close(full, params)
+        assert_close(got_loss, loss)
+        assert_close(got_grads, grads)  # the tied tok/head weight included
+        assert_close(got_autograd, grads)
+        assert_close(local_ln, grads["ln_f.weight"])
 
 
 def test_fused_qkv_rank_holds_whole_heads_of_q_k_and_v():
@@ -218,12 +279,21 @@ def _errors_on_rank():
     with pytest.raises(ValueError) as error:
         model.apply(mlp.init(0), torch.ones(1, 8))  # full params, not shards
     messages.append(str(error.value))
+    gpt = sf.functional(GPT(GPTConfig(vocab_size=8, d_model=4, n_layers=1, n_heads=2,
+                                      seq_len=4, dropout=0.0)))
+    with pytest.raises(ValueError) as error:  # the tied head would use the full weight
+        tensor_split(gpt, mesh, "tp", {"tok": "vocab"})
+    messages.append(str(error.value))
+    attn = tensor_split(sf.functional(TinyAttnLM(4, 4, 2)), mesh, "tp", attn_plan(2))
+    with pytest.raises(TypeError) as error:  # a plain gather cannot undo the fused split
+        sf.gather(attn.init(0), attn.specs, mesh)
+    messages.append(str(error.value))
     return messages
 
 
 def test_bad_plans_raise_naming_the_module(worlds):
     for messages in worlds(2).run(_errors_on_rank):
-        nothing, ln, vocab, unknown, col, row, emb, heads, twice, full = messages
+        nothing, ln, vocab, unknown, col, row, emb, heads, twice, full, tied, fused = messages
         assert "'blocks.*.fc1' matches no module" in nothing and "'mlp.fc1'" in nothing
         assert "'mlp.ln'" in ln and "LayerNorm" in ln
         assert "nn.Embedding" in vocab and "'mlp.fc1'" in vocab
@@ -234,6 +304,8 @@ def test_bad_plans_raise_naming_the_module(worlds):
         assert "n_heads = 3" in heads and "axis size 2" in heads
         assert "both" in twice
         assert "'mlp.fc1.weight'" in full and "(3, 8)" in full
+        assert "'head.weight' is tied to 'tok.weight'" in tied and "not in the plan" in tied
+        assert "FusedLayout" in fused and "gather_params" in fused
 
 
 def test_user_module_is_not_changed():
