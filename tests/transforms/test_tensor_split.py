@@ -315,3 +315,25 @@ def test_user_module_is_not_changed():
     assert type(module.mlp.fc1) is nn.Linear and type(fmodel.module.mlp.fc1) is nn.Linear
     assert type(model.module.mlp.fc1) is not nn.Linear
     assert [n for n, _ in model.module.named_parameters()] == list(fmodel.param_names)
+
+
+def _dp_tp_on_rank(b: int):
+    mesh = sf.Mesh({"dp": 2, "tp": 2})
+    model = tensor_split(sf.functional(MLP(4, 8)), mesh, "tp", MLP_PLAN)
+    params = model.init(3)
+    torch.manual_seed(1234)
+    x = torch.randn(2 * b, 3, 4)
+    mine = x[mesh.index("dp") * b:(mesh.index("dp") + 1) * b]  # this dp rank's half of the batch
+    grads = torch.func.grad(lambda p: _loss(model.apply(p, mine)))(params)
+    grads = sf.pmean(grads, "dp", mesh=mesh)  # data parallel over dp, tensor parallel over tp
+    return model.gather_params(grads)
+
+
+def test_dp_by_tp_mesh_equals_unsplit_full_batch(worlds):
+    b = 2
+    fmodel = sf.functional(MLP(4, 8))
+    torch.manual_seed(1234)
+    x = torch.randn(2 * b, 3, 4)
+    grads = torch.func.grad(lambda p: _loss(fmodel.apply(p, x)))(fmodel.init(3))
+    for got in worlds(4).run(_dp_tp_on_rank, b):
+        assert_close(got, grads)
