@@ -138,12 +138,19 @@ class TensorSplitModel:
     # ---------------------------------------------------------------- init
 
     def init(self, seed: int, device: torch.device | str | None = None) -> Params:
-        """This rank's shards of ``fmodel.init(seed, device)``.
+        """This rank's shards of ``fmodel.init(seed, device)``, built one submodule at a time.
+
+        Each submodule's leaves are made (``fmodel.init_subset``), cut to this
+        rank's shard (a copy) and dropped, so the peak is the largest submodule,
+        not the full model. Equal to ``shard_params_tree(fmodel.init(seed))``.
 
         Example:
             >>> params = tp.init(0)   # params["0.weight"].shape == (32 // tp_size, 8)
         """
-        return self.shard_params_tree(self.fmodel.init(seed, device=device))
+        out: Params = {}
+        for path in self.fmodel.module_paths:
+            out.update(self._cut(self.fmodel.init_subset(seed, [path], device=device)))
+        return {name: out[name] for name in self.names}
 
     def shard_params_tree(self, full: Mapping[str, torch.Tensor]) -> Params:
         """Cut this rank's shards out of a full tree (no communication; fused leaves too).
@@ -152,22 +159,28 @@ class TensorSplitModel:
             full: ``name -> full Tensor`` with every leaf of ``fmodel``.
 
         Returns:
-            ``name -> local shard``, in ``names`` order.
+            ``name -> local shard`` (split leaves are copies, not views of ``full``),
+            in ``names`` order.
         """
         self.fmodel.check(full)
+        return self._cut(full)
+
+    def _cut(self, full: Mapping[str, torch.Tensor]) -> Params:
         tp, rank = self.mesh.size(self.axis), self.mesh.index(self.axis)
         out = {}
-        for name in self.names:
-            layout, x = self.specs[name], full[name]
+        for name, x in full.items():
+            layout = self.specs[name]
             if isinstance(layout, FusedLayout):
-                out[name] = fused_local(x, layout.parts, tp, rank)
+                out[name] = fused_local(x, layout.parts, tp, rank).clone()
                 continue
-            for dim, part in enumerate(layout.spec):
-                if part is not None:
-                    block = x.shape[dim] // tp
-                    x = x.narrow(dim, rank * block, block)
+            if any(part is not None for part in layout.spec) and tp > 1:
+                for dim, part in enumerate(layout.spec):
+                    if part is not None:
+                        block = x.shape[dim] // tp
+                        x = x.narrow(dim, rank * block, block)
+                x = x.clone()
             out[name] = x
-        return out
+        return {name: out[name] for name in self.names if name in out}
 
     def gather_params(self, params: Mapping[str, torch.Tensor]) -> Params:
         """The full tree from every rank's shards (differentiable; works on gradients too).

@@ -337,3 +337,24 @@ def test_dp_by_tp_mesh_equals_unsplit_full_batch(worlds):
     grads = torch.func.grad(lambda p: _loss(fmodel.apply(p, x)))(fmodel.init(3))
     for got in worlds(4).run(_dp_tp_on_rank, b):
         assert_close(got, grads)
+
+
+def _memory_on_rank(n: int):
+    fmodel = sf.functional(MLP(8, 16 * n))
+    model = tensor_split(fmodel, sf.Mesh({"tp": n}), "tp", MLP_PLAN)
+    with sf.memory.track() as tracker:
+        params = model.init(0)
+    same = all(torch.equal(a, b) for a, b in zip(
+        params.values(), model.shard_params_tree(fmodel.init(0)).values(), strict=True))
+    return tracker.current_bytes, sum(t.numel() * t.element_size() for t in params.values()), same
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_per_rank_parameter_bytes_are_split_over_tp(worlds, n):
+    d, hidden = 8, 16 * n
+    split = 2 * d * hidden + hidden  # fc1 weight + bias, fc2 weight
+    replicated = 2 * d + d  # LayerNorm, fc2 bias
+    for live, held, same in worlds(n).run(_memory_on_rank, n):
+        assert same  # init == shard_params_tree(fmodel.init(seed))
+        assert held == 4 * (split // n + replicated)
+        assert live == held  # no view keeps a full tensor alive
