@@ -7,7 +7,7 @@ Example:
     P('dp', None)
 """
 
-from shardfn import distributed, memory, optim, pytree
+from shardfn import distributed, memory, models, optim, pytree
 from shardfn.functional import FunctionalModel, ShapeDtype, functional
 from shardfn.mesh import Mesh, get_mesh, set_mesh
 from shardfn.primitives import (
@@ -30,14 +30,20 @@ from shardfn.primitives import (
 from shardfn.primitives.consistency import ConsistencyError, check_consistency
 from shardfn.spec import Layout, P, gather, layout_of, local_shape, shard, spec_axes
 from shardfn.transforms import (
+    Colwise,
     DataParallel,
+    FusedLayout,
     LossScaler,
     OffloadPolicy,
     Precision,
+    Replicate,
+    Rowwise,
     ScaleState,
     ShardedModel,
     ShardedOptimizer,
     ShardedOptState,
+    TensorSplitModel,
+    Vocab,
     accumulate_grads,
     all_finite,
     data_parallel,
@@ -48,6 +54,8 @@ from shardfn.transforms import (
     split_batch,
     static_loss_scale,
     sync_batch_norm,
+    tensor_split,
+    vocab_parallel_cross_entropy,
     with_precision,
 )
 from shardfn.transforms.remat import Offload, checkpoint_name, checkpoint_policies, remat
@@ -55,10 +63,12 @@ from shardfn.transforms.remat import Offload, checkpoint_name, checkpoint_polici
 __version__ = "0.1.0"
 
 __all__ = [
+    "Colwise",
     "CommStats",
     "ConsistencyError",
     "DataParallel",
     "FunctionalModel",
+    "FusedLayout",
     "ScaleState",
     "ShapeDtype",
     "ShardedOptState",
@@ -68,6 +78,10 @@ __all__ = [
     "LossScaler",
     "Precision",
     "Mesh",
+    "Replicate",
+    "Rowwise",
+    "TensorSplitModel",
+    "Vocab",
     "Offload",
     "OffloadPolicy",
     "P",
@@ -91,6 +105,7 @@ __all__ = [
     "layout_of",
     "local_shape",
     "memory",
+    "models",
     "optim",
     "pmean",
     "pmean_invariant",
@@ -110,6 +125,8 @@ __all__ = [
     "split_batch",
     "static_loss_scale",
     "sync_batch_norm",
+    "tensor_split",
+    "vocab_parallel_cross_entropy",
     "with_precision",
     "spec_axes",
     "testing",

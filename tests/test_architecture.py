@@ -210,7 +210,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundations", ("shardfn._torch_internals", "shardfn.pytree", "shardfn.mesh")),
     ("collectives", ("shardfn.primitives", "shardfn.distributed")),
     ("specs", ("shardfn.spec",)),
-    ("models and memory", ("shardfn.functional", "shardfn._functional_init",
+    ("models and memory", ("shardfn.functional", "shardfn._functional_init", "shardfn.models",
                            "shardfn._functional_leaves", "shardfn.memory")),
     ("optimizers", ("shardfn.optim",)),
     ("transforms", ("shardfn.transforms",)),

@@ -14,17 +14,33 @@ from shardfn.transforms.precision import Precision, cast_floating, with_precisio
 from shardfn.transforms.shard_opt_state import ShardedOptimizer, ShardedOptState, shard_opt_state
 from shardfn.transforms.shard_params import OffloadPolicy, ShardedModel, shard_params
 from shardfn.transforms.sync_batch_norm import SyncBatchNorm, sync_batch_norm
+from shardfn.transforms.tensor_split import (
+    Colwise,
+    FusedLayout,
+    Replicate,
+    Rowwise,
+    TensorSplitModel,
+    Vocab,
+    tensor_split,
+)
+from shardfn.transforms.vocab_parallel import vocab_parallel_cross_entropy
 
 __all__ = [
+    "Colwise",
     "DataParallel",
+    "FusedLayout",
     "LossScaler",
     "OffloadPolicy",
     "Precision",
+    "Replicate",
+    "Rowwise",
     "ScaleState",
     "ShardedOptState",
     "ShardedModel",
     "ShardedOptimizer",
     "SyncBatchNorm",
+    "TensorSplitModel",
+    "Vocab",
     "accumulate_grads",
     "all_finite",
     "cast_floating",
@@ -36,5 +52,7 @@ __all__ = [
     "split_batch",
     "static_loss_scale",
     "sync_batch_norm",
+    "tensor_split",
+    "vocab_parallel_cross_entropy",
     "with_precision",
 ]

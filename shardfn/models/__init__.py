@@ -1,0 +1,11 @@
+"""Reference models used by tests, benchmarks, docs and the demo.
+
+Example:
+    >>> from shardfn import models
+    >>> config = models.GPTConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=4, seq_len=8)
+    >>> model = models.GPT(config)
+"""
+
+from shardfn.models.gpt import GPT, MLP, Attention, Block, GPTConfig, gpt_tp_plan
+
+__all__ = ["GPT", "MLP", "Attention", "Block", "GPTConfig", "gpt_tp_plan"]

@@ -1,0 +1,238 @@
+"""A small GPT (pre-LN decoder) written so that tensor parallelism needs no patching.
+
+``GPT(GPTConfig(...))`` is a plain ``nn.Module``: token embedding ``tok`` and
+position embedding ``pos``, ``blocks`` (an ``nn.ModuleList`` of :class:`Block`),
+a final LayerNorm ``ln_f`` and an LM head ``head`` whose weight *is*
+``tok.weight`` when ``tied_embeddings`` (one leaf under ``sf.functional``:
+``tok.weight``, with ``head.weight`` as its alias).
+
+Written for tensor parallelism (see :func:`gpt_tp_plan`): no module stores a
+head count or a width that a split would make wrong. :class:`Attention` reads
+its number of *local* heads from the shape of its ``qkv`` weight (``rows //
+(3 * head_dim)``, with ``head_dim = d_model // n_heads`` fixed by the config),
+and every reshape uses ``-1`` or the local shape, so a block whose Linear
+weights are split by rows or columns runs as it is.
+
+Example:
+    >>> import torch, shardfn as sf
+    >>> config = GPTConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=4, seq_len=8)
+    >>> model = sf.functional(GPT(config))
+    >>> params = model.init(0)
+    >>> model.apply(params, torch.zeros(2, 8, dtype=torch.long)).shape
+    torch.Size([2, 8, 32])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "MLP", "Attention", "Block", "GPTConfig", "gpt_tp_plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """The shape of a :class:`GPT`; validated on construction.
+
+    Attributes:
+        vocab_size: number of tokens (> 0).
+        d_model: width of the residual stream, divisible by ``n_heads``.
+        n_layers: number of blocks (> 0).
+        n_heads: attention heads per block (> 0).
+        seq_len: the longest sequence (number of positions).
+        dropout: dropout probability in [0, 1), applied in training mode only
+            (attention weights, after each projection back to the residual, and
+            after the embeddings).
+        tied_embeddings: the LM head reuses the token embedding's weight.
+
+    Raises:
+        TypeError / ValueError: naming the field and what would be valid.
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    seq_len: int
+    dropout: float = 0.0
+    tied_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"GPTConfig.{name} must be an int, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"GPTConfig.{name} must be > 0, got {value}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"GPTConfig: d_model={self.d_model} is not divisible by "
+                             f"n_heads={self.n_heads}; choose d_model = n_heads * head_dim")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)):
+            raise TypeError(f"GPTConfig.dropout must be a float, got {self.dropout!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        if not isinstance(self.tied_embeddings, bool):
+            raise TypeError(f"GPTConfig.tied_embeddings must be a bool, "
+                            f"got {self.tied_embeddings!r}")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head: ``d_model // n_heads``."""
+        return self.d_model // self.n_heads
+
+
+class Attention(nn.Module):
+    """Causal self-attention with a fused ``qkv`` Linear(d, 3d) and an output ``proj`` Linear(d, d).
+
+    Layout of the ``qkv`` output (and of the rows of ``qkv.weight`` / ``qkv.bias``):
+    ``[q | k | v]``, each of ``n_heads * head_dim`` features made of whole heads in
+    order, head ``h`` at ``[h * head_dim, (h + 1) * head_dim)`` inside its part. A
+    column split for tensor parallelism must give each rank the rows of the same
+    whole heads of q, k and v, again as ``[q_local | k_local | v_local]``; then
+    ``proj`` is split on its input features (the same heads) and its output summed.
+
+    The number of heads used is the *local* one, read from the weight:
+    ``qkv.weight.shape[0] // (3 * head_dim)``.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.qkv.weight.shape[0]
+        if rows % (3 * self.head_dim):
+            raise ValueError(f"Attention: qkv.weight has {rows} rows, not a multiple of "
+                             f"3 * head_dim = {3 * self.head_dim} (whole heads of q, k, v)")
+        local_heads = rows // (3 * self.head_dim)
+        batch = x.shape[:-1]  # [..., T]
+        qkv = self.qkv(x)
+        q, k, v = (t.unflatten(-1, (local_heads, self.head_dim)).transpose(-3, -2)
+                   for t in qkv.chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(-3, -2).reshape(*batch, local_heads * self.head_dim)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    """``fc1`` Linear(d, 4d), GELU, ``fc2`` Linear(4d, d), dropout."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.d_model, 4 * config.d_model)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * config.d_model, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc2(self.act(self.fc1(x))))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.d_model)
+        self.attn = Attention(config)
+        self.ln2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer: ``tokens [..., T] (int64) -> logits [..., T, vocab_size]``.
+
+    Args:
+        config: a :class:`GPTConfig`.
+
+    The LM head is ``head`` (Linear(d, vocab_size) without bias); with
+    ``tied_embeddings`` its weight is the token embedding's (one parameter).
+
+    Example:
+        >>> model = GPT(GPTConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, seq_len=8))
+        >>> model(torch.zeros(1, 5, dtype=torch.long)).shape
+        torch.Size([1, 5, 32])
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"GPT expects a GPTConfig, got {type(config).__name__}")
+        self.config = config
+        self.tok = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos = nn.Embedding(config.seq_len, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tied_embeddings:
+            self.head.weight = self.tok.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"GPT: tokens must be int64 or int32 token ids, got {tokens.dtype}")
+        if tokens.dim() < 1:
+            raise ValueError("GPT: tokens must have a sequence dimension [..., T]")
+        seq = tokens.shape[-1]
+        if seq > self.config.seq_len:
+            raise ValueError(f"GPT: sequence length {seq} exceeds config.seq_len="
+                             f"{self.config.seq_len}")
+        positions = torch.arange(seq, device=tokens.device)
+        x = self.drop(self.tok(tokens) + self.pos(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def gpt_tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
+    """The Megatron tensor-parallel plan for :class:`GPT`: glob over module paths -> style.
+
+    * ``tok``: ``"vocab"`` (embedding split on the vocabulary: each rank looks up its
+      rows, the partial embeddings are summed);
+    * ``blocks.*.attn.qkv`` / ``blocks.*.mlp.fc1``: ``"colwise"`` (output features
+      split; for qkv whole heads of q, k and v per rank, see :class:`Attention`);
+    * ``blocks.*.attn.proj`` / ``blocks.*.mlp.fc2``: ``"rowwise"`` (input features
+      split, output summed over the axis);
+    * ``head``: ``"colwise"`` with the output left split: the logits stay
+      vocab-parallel, to be fed to ``sf.vocab_parallel_cross_entropy`` (gather them
+      only to print them). With ``tied_embeddings`` the head's weight is ``tok.weight``
+      and its split is the vocab split of ``tok`` (the same rows); the entry still
+      tells the transform to enter the head as a column-parallel region.
+
+    LayerNorms, ``pos`` and biases of rowwise layers stay replicated.
+
+    Args:
+        sequence_parallel: not defined yet: raises NotImplementedError (sequence
+            parallelism is a later slice of issue 11).
+
+    Returns:
+        A new dict ``{pattern: style}``.
+
+    Example:
+        >>> gpt_tp_plan()["blocks.*.attn.qkv"]
+        'colwise'
+    """
+    if sequence_parallel:
+        raise NotImplementedError(
+            "gpt_tp_plan(sequence_parallel=True): sequence parallelism (Megatron-SP) is not "
+            "implemented yet; use sequence_parallel=False")
+    return {
+        "tok": "vocab",
+        "blocks.*.attn.qkv": "colwise",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp.fc1": "colwise",
+        "blocks.*.mlp.fc2": "rowwise",
+        "head": "colwise",
+    }

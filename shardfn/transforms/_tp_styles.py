@@ -1,0 +1,224 @@
+"""The tensor-parallel styles of :func:`shardfn.tensor_split` and the modules that run them.
+
+A style says how one module is split over the ``tp`` axis and which collectives
+go around it. Each split module is replaced, in a private copy of the model's
+skeleton, by a wrapper that registers the *same* parameter names (``weight``,
+``bias``), so leaf names stay ``"blocks.0.mlp.fc1.weight"``; ``functional_call``
+then hands the wrapper this rank's local shards.
+
+The rules are JAX's for a tensor-parallel region (Megatron's ``f``/``g`` pair):
+
+* a replicated activation *enters* a split region through ``sf.pvary``
+  (identity forward, psum backward: ``f``);
+* a per-rank partial result *leaves* it through ``sf.psum_invariant``
+  (psum forward, identity backward: ``g``), so the replicated computation after
+  it (LayerNorm, residual, loss) is counted once, not once per rank.
+
+Example:
+    >>> Colwise(gather_output=True)
+    Colwise(gather_output=True, fused=1, n_heads=None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import einops
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardfn.mesh import Mesh
+from shardfn.primitives import all_gather, axis_index, psum_invariant, pvary
+from shardfn.spec import P
+
+__all__ = ["Colwise", "Replicate", "Rowwise", "Style", "Vocab", "as_style"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Colwise:
+    """Split an ``nn.Linear``'s output features (weight rows and bias) over the axis.
+
+    Attributes:
+        gather_output: all-gather the output's last dim, so it leaves replicated
+            (its backward keeps this rank's slice of the gradient: no communication).
+        fused: the output is ``fused`` equal parts side by side (``3`` for a fused
+            ``[q|k|v]`` projection); each part is split separately, so rank ``r``
+            holds ``q[r] | k[r] | v[r]``.
+        n_heads: heads per part; checked to divide by the axis size (whole heads per rank).
+    """
+
+    gather_output: bool = False
+    fused: int = 1
+    n_heads: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rowwise:
+    """Split an ``nn.Linear``'s input features (weight columns) over the axis.
+
+    The input is this rank's feature slice (what a ``Colwise`` before it gives);
+    the partial products are summed with ``psum_invariant`` and the (replicated)
+    bias is added once, after the sum.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocab:
+    """Split an ``nn.Embedding``'s rows (the vocabulary) over the axis.
+
+    Each rank looks up only the ids in its range (the others give zeros), and
+    ``psum_invariant`` sums the lookups: the output is replicated.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicate:
+    """Leave the module whole on every rank (no communication)."""
+
+
+Style = Colwise | Rowwise | Vocab | Replicate
+_BY_NAME = {"colwise": Colwise, "rowwise": Rowwise, "vocab": Vocab, "replicate": Replicate}
+
+
+def as_style(style: object, pattern: str) -> Style:
+    """A style object from a plan value (a name such as ``"colwise"`` or a style object)."""
+    if isinstance(style, Colwise | Rowwise | Vocab | Replicate):
+        return style
+    if isinstance(style, str) and style in _BY_NAME:
+        return _BY_NAME[style]()
+    raise ValueError(f"tensor_split: plan[{pattern!r}] = {style!r} is not a style; use one of "
+                     f"{sorted(_BY_NAME)} or Colwise(...)/Rowwise()/Vocab()/Replicate()")
+
+
+# ---------------------------------------------------------------- checks and specs
+
+
+def _need(module: nn.Module, kind: type, path: str, style: Style) -> None:
+    if type(module) is not kind:
+        raise ValueError(f"tensor_split: style {style} on module {path!r} needs an "
+                         f"nn.{kind.__name__}, but {path!r} is a {type(module).__name__}")
+
+
+def _divides(path: str, what: str, size: int, parts: int, why: str) -> None:
+    if size % parts:
+        raise ValueError(f"tensor_split: module {path!r}: {what} = {size} is not divisible "
+                         f"by {parts} ({why}); uneven splits are refused for now")
+
+
+def leaf_specs(module: nn.Module, path: str, style: Style, axis: str, tp: int) -> dict[str, P]:
+    """``{leaf name inside the module: spec}`` for a matched module, after checking it fits."""
+    if isinstance(style, Replicate):
+        return {}
+    if isinstance(style, Vocab):
+        _need(module, nn.Embedding, path, style)
+        if module.padding_idx is not None or module.max_norm is not None or module.sparse:
+            raise ValueError(f"tensor_split: module {path!r}: Vocab does not support "
+                             "padding_idx, max_norm or sparse yet")
+        _divides(path, "num_embeddings", module.num_embeddings, tp, f"size of axis {axis!r}")
+        return {"weight": P(axis, None)}
+    _need(module, nn.Linear, path, style)
+    if isinstance(style, Rowwise):
+        _divides(path, "in_features", module.in_features, tp, f"size of axis {axis!r}")
+        return {"weight": P(None, axis), "bias": P()}
+    if style.fused < 1:
+        raise ValueError(f"tensor_split: module {path!r}: Colwise(fused={style.fused}) "
+                         "must be >= 1")
+    if style.fused > 1 and style.gather_output:
+        raise ValueError(f"tensor_split: module {path!r}: Colwise(fused=..., gather_output=True) "
+                         "is not supported (the gathered parts would be interleaved)")
+    _divides(path, "out_features", module.out_features, style.fused * tp,
+             f"{style.fused} fused parts x size {tp} of axis {axis!r}")
+    if style.n_heads is not None:
+        if style.n_heads % tp:
+            raise ValueError(f"tensor_split: module {path!r}: n_heads = {style.n_heads} is not "
+                             f"divisible by the axis size {tp} (axis {axis!r}): each rank "
+                             "needs whole heads")
+        _divides(path, "out_features / fused", module.out_features // style.fused,
+                 style.n_heads, "n_heads")
+    return {"weight": P(axis, None), "bias": P(axis)}
+
+
+def fused_local(full: torch.Tensor, parts: int, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of a fused weight: block ``rank`` of each of the ``parts`` parts."""
+    split = einops.rearrange(full, "(part tp rows) ... -> part tp rows ...", part=parts, tp=tp)
+    return einops.rearrange(split[:, rank], "part rows ... -> (part rows) ...")
+
+
+def fused_full(gathered: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
+    """Inverse of :func:`fused_local` on the rank-order concatenation of all ranks' rows."""
+    return einops.rearrange(gathered, "(tp part rows) ... -> (part tp rows) ...", part=parts, tp=tp)
+
+
+# ---------------------------------------------------------------- the wrappers
+
+
+class _Split(nn.Module):
+    """Holds the wrapped module's own parameter objects under their own names."""
+
+    def __init__(self, inner: nn.Module, mesh: Mesh, axis: str):
+        super().__init__()
+        self.weight = inner.weight
+        if hasattr(inner, "bias"):
+            self.bias = inner.bias
+        self.mesh, self.axis, self.inner_type = mesh, axis, type(inner).__name__
+
+    def extra_repr(self) -> str:
+        return f"{self.inner_type}, axis={self.axis!r}"
+
+
+class ColwiseLinear(_Split):
+    """``y_local = pvary(x) @ W_local.T + b_local``; optionally gathered along the last dim."""
+
+    def __init__(self, inner: nn.Linear, mesh: Mesh, axis: str, gather_output: bool):
+        super().__init__(inner, mesh, axis)
+        self.gather_output = gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(pvary(x, self.axis, mesh=self.mesh), self.weight, self.bias)
+        if not self.gather_output:
+            return y
+        # The gathered output is replicated: the transpose keeps this rank's slice of the
+        # gradient (Megatron's split), not all_gather's psum_scatter (which would count
+        # each rank's identical downstream once more).
+        gathered = all_gather(y.detach(), self.axis, dim=y.dim() - 1, mesh=self.mesh)
+        n_local, tp = y.shape[-1], self.mesh.size(self.axis)
+        rank = axis_index(self.axis, mesh=self.mesh)
+        own = F.pad(y - y.detach(), (rank * n_local, (tp - 1 - rank) * n_local))
+        return gathered + own
+
+
+class RowwiseLinear(_Split):
+    """``y = psum_invariant(x_local @ W_local.T) + b``: the bias is added once, after the sum."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = psum_invariant(F.linear(x, self.weight), self.axis, mesh=self.mesh)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabEmbedding(_Split):
+    """Look up the ids in this rank's vocabulary range (zeros elsewhere), then psum_invariant."""
+
+    def __init__(self, inner: nn.Embedding, mesh: Mesh, axis: str):
+        super().__init__(inner, mesh, axis)
+        self.scale_grad_by_freq = inner.scale_grad_by_freq
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.shape[0]
+        start = axis_index(self.axis, mesh=self.mesh) * rows
+        mine = (ids >= start) & (ids < start + rows)
+        local_ids = torch.where(mine, ids - start, torch.zeros_like(ids))
+        looked_up = F.embedding(local_ids, self.weight, scale_grad_by_freq=self.scale_grad_by_freq)
+        looked_up = looked_up * mine.unsqueeze(-1).to(looked_up.dtype)
+        return psum_invariant(looked_up, self.axis, mesh=self.mesh)
+
+
+def wrap(module: nn.Module, style: Style, mesh: Mesh, axis: str) -> nn.Module:
+    """The module that runs ``module`` under ``style`` (``module`` itself for Replicate)."""
+    if isinstance(style, Colwise):
+        return ColwiseLinear(module, mesh, axis, style.gather_output)
+    if isinstance(style, Rowwise):
+        return RowwiseLinear(module, mesh, axis)
+    if isinstance(style, Vocab):
+        return VocabEmbedding(module, mesh, axis)
+    return module
