@@ -29,7 +29,7 @@ import threading
 import traceback
 import types
 from collections import ChainMap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -60,8 +60,39 @@ class Rank(NamedTuple):
     crash_path: str  # faulthandler's stacks of a fatal signal
 
 
+@contextlib.contextmanager
+def _main_not_reimported() -> Iterator[None]:
+    """Start children without re-running the parent's ``__main__`` script.
+
+    ``spawn`` children normally import the parent's main module (by path or by
+    name) before running their target, so a script that opens a local world at
+    top level, without an ``if __name__ == "__main__":`` guard, would open one in
+    every child. The workers never need it: what they run arrives with cloudpickle,
+    which sends ``__main__``'s functions and classes by value. So while the
+    children start, ``__main__`` looks like an interactive session's (no
+    ``__file__``, no ``__spec__``), as in a notebook.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__")
+             if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__dict__["__spec__"] = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
+
+
 def spawn(size: int, store_path: str, pg_timeout_s: float, check: bool) -> list[Rank]:
     """Start ``size`` worker processes (they join the gloo group on their own)."""
+    with _main_not_reimported():
+        return _spawn(size, store_path, pg_timeout_s, check)
+
+
+def _spawn(size: int, store_path: str, pg_timeout_s: float, check: bool) -> list[Rank]:
     context = multiprocessing.get_context("spawn")
     ranks = []
     for rank in range(size):

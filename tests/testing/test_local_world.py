@@ -191,3 +191,29 @@ def test_local_world_context_closes_processes():
 def test_bad_size_is_rejected():
     with pytest.raises(ValueError, match="size"):
         LocalWorld(0)
+
+
+def test_a_script_without_main_guard_opens_one_world(tmp_path):
+    """Workers do not re-run the parent's script (as spawn children normally would), so a
+    top-level ``with local_world(2)`` works in a script as in a notebook; a class defined in
+    the script reaches the workers by value."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "from shardfn.testing import local_world\n"
+        "class Twice(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return 2 * x\n"
+        "print('top level', flush=True)\n"
+        "with local_world(2) as world:\n"
+        "    print(world.run(lambda: float(Twice()(torch.ones(2)).sum()) + dist.get_rank()))\n")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env=env, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["top level", "[4.0, 5.0]"]
