@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench
+.PHONY: demo test lint bench docs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -22,3 +22,6 @@ test: lint
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/bench_dp.py
+
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict -d site
