@@ -39,6 +39,7 @@ __all__ = [
     "rel_diff",
     "run_interleaved",
     "storage_bytes",
+    "write_json",
 ]
 
 MiB = 2**20
@@ -283,3 +284,29 @@ def machine_info() -> str:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (f"torch {torch.__version__}, {cores} cores ({model}), Python "
             f"{platform.python_version()}, {platform.system()} {platform.release()}")
+
+
+def write_json(path: str | None, bench: str, results: list[Result], reference: str | None,
+               **extra: Any) -> None:
+    """Write the results as JSON for ``benchmarks/report.py`` (nothing when ``path`` is None).
+
+    Each system: key, label, median/min step ms, ratio to ``reference``, memory per rank,
+    bytes sent per step and the largest relative difference of its parameters.
+    """
+    if path is None:
+        return
+    import json
+
+    ref = next((r for r in results if r.key == reference and r.times_s), None)
+    ref_median = statistics.median(ref.times_s) if ref else None
+    rows = []
+    for r in results:
+        med = statistics.median(r.times_s) if r.times_s and not r.error else None
+        rows.append({"key": r.key, "label": r.label, "median_ms": med and med * 1e3,
+                     "min_ms": min(r.times_s) * 1e3 if med else None,
+                     "ratio": med / ref_median if med and ref_median else None,
+                     "memory": r.memory, "sent_bytes": r.sent_bytes,
+                     "max_rel_diff": r.max_rel_diff, "error": r.error})
+    with open(path, "w") as f:
+        json.dump({"bench": bench, "reference": reference, "machine": machine_info(),
+                   "systems": rows, **extra}, f, indent=1)

@@ -41,6 +41,7 @@ from _common import (
     markdown_table,
     run_interleaved,
     storage_bytes,
+    write_json,
 )
 from torch import nn
 
@@ -699,6 +700,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         choices=list(SYSTEMS.entries), metavar="KEY",
                         help=f"systems to run, in table order (all: {list(SYSTEMS.entries)})")
     parser.add_argument("--quick", action="store_true", help="tiny model: a smoke test")
+    parser.add_argument("--json", default=None, help="also write the results here (report.py)")
     parser.add_argument("--breakdown", action="store_true",
                         help="instead of the table, time the phases of the shardfn steps "
                              "(best of --warmup + --steps repetitions)")
@@ -745,6 +747,7 @@ def main(argv: list[str] | None = None) -> None:
     reference = "ddp" if "ddp" in args.systems else args.systems[0]
     print()
     print(markdown_table(results, reference, psi))
+    write_json(args.json, "dp", results, reference, num_params=psi, ranks=args.ranks)
     zero_formula = (4 + 4 + 8 / args.ranks) * psi
     print(f"\nZeRO-1 formula 4Ψ+4Ψ+8Ψ/N = {zero_formula / MiB:.0f} MiB "
           f"({zero_formula / psi:.0f} B/param); ZeRO-2 4Ψ+(4Ψ+8Ψ)/N = "
