@@ -97,6 +97,8 @@ def _setup(case: dict):
     tp = sf.tensor_split(fmodel, mesh, "tp",
                          gpt_tp_plan() if case["kind"] == "gpt" else MLP_PLAN)
     units = GPTBlock if case["kind"] == "gpt" else MLPBlock
+    if case.get("units") == "layers":  # split layers as units of their own, and a block
+        units = ["blocks.0.fc1", "blocks.0.fc2", "blocks.1"]
     remat = sf.checkpoint_policies.nothing_saveable if case["remat"] else None
     model = tp if case["zero"] else sf.shard_params(
         tp, mesh, "dp", units=units, remat=remat, prefetch=case.get("prefetch", 1),
@@ -229,14 +231,15 @@ MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]
 @settings(max_examples=4, deadline=None)
 @given(mesh=st.sampled_from(MESHES), width=st.integers(1, 2), per_rank=st.integers(1, 2),
        seq=st.integers(1, 4), remat=st.booleans(), reshard=st.booleans(),
-       prefetch=st.integers(0, 2), seed=st.integers(0, 2**16))
+       prefetch=st.integers(0, 2), units=st.sampled_from(["class", "layers"]),
+       seed=st.integers(0, 2**16))
 def test_mlp_fsdp_tp_training_equals_single_process(worlds, mesh, width, per_rank, seq,
-                                                    remat, reshard, prefetch, seed):
+                                                    remat, reshard, prefetch, units, seed):
     dp, tp = mesh
     # uneven dp shards: the TP-local rows (hidden / tp and d) need not divide by dp
     case = {"kind": "mlp", "dp": dp, "tp": tp, "d": 3 + 2 * width, "hidden": tp * (2 + width),
             "seq": seq, "per_rank": per_rank, "seed": seed, "remat": remat, "zero": False,
-            "reshard": reshard, "prefetch": prefetch}
+            "reshard": reshard, "prefetch": prefetch, "units": units}
     _check_grads(case, worlds)
     _check_training(case, worlds)
 
