@@ -6,7 +6,9 @@ and gradients (torch.func and autograd); replicated-over-tp gradients are equal 
 the tp ranks and not double-reduced; 5 AdamW steps with ``clip_by_global_norm``
 (clipping active) equal 5 single-process steps on the full batch, compared after
 every step; the same with ``shard_opt_state`` (ZeRO) over dp instead of
-``shard_params``; the global norm is exact; bad input is refused clearly.
+``shard_params`` (ZeRO-2 with autograd overlap too); HSDP x TP on {"rep", "dp", "tp"};
+the global norm is exact and the per-rank parameter count is (split/tp + rest)/dp; bad
+input is refused clearly.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def _fmodel(case: dict):
 
 def _batch(case: dict, step: int):
     gen = torch.Generator().manual_seed(case["seed"] * 100 + step)
-    b, s = case["dp"] * case["per_rank"], case["seq"]
+    b, s = _n_data(case) * case["per_rank"], case["seq"]
     if case["kind"] == "gpt":
         return (torch.randint(0, case["vocab"], (b, s), generator=gen),
                 torch.randint(0, case["vocab"], (b, s), generator=gen))
@@ -90,9 +92,19 @@ def _gpt_case(**kw) -> dict:
 # ---------------------------------------------------------------- on the ranks
 
 
+def _n_data(case: dict) -> int:
+    """Data-parallel ranks: dp, times the HSDP replicas ("rep") if any."""
+    return case.get("rep", 1) * case["dp"]
+
+
+def _data_axes(case: dict):
+    return ("rep", "dp") if case.get("rep") else "dp"
+
+
 def _setup(case: dict):
-    """Mesh, the 2-D (or ZeRO) model, its loss on this dp rank's half of a batch."""
-    mesh = sf.Mesh({"dp": case["dp"], "tp": case["tp"]})
+    """Mesh, the 2-D (or ZeRO) model, its loss on this data rank's part of a batch."""
+    axes = {"rep": case["rep"]} if case.get("rep") else {}
+    mesh = sf.Mesh({**axes, "dp": case["dp"], "tp": case["tp"]})
     fmodel = _fmodel(case)
     tp = sf.tensor_split(fmodel, mesh, "tp",
                          gpt_tp_plan() if case["kind"] == "gpt" else MLP_PLAN)
@@ -102,11 +114,12 @@ def _setup(case: dict):
     remat = sf.checkpoint_policies.nothing_saveable if case["remat"] else None
     model = tp if case["zero"] else sf.shard_params(
         tp, mesh, "dp", units=units, remat=remat, prefetch=case.get("prefetch", 1),
-        reshard_after_forward=case.get("reshard", True))
-    rank = mesh.index("dp")
+        reshard_after_forward=case.get("reshard", True),
+        replicate_axis="rep" if case.get("rep") else None)
+    rank = mesh.index(_data_axes(case))
 
     def local(batch):
-        return tuple(t.chunk(case["dp"])[rank] for t in batch)
+        return tuple(t.chunk(_n_data(case))[rank] for t in batch)
 
     def loss_fn(params, x, y):
         out = model.apply(params, x)
@@ -129,7 +142,7 @@ def _grads_on_rank(case: dict):
     accumulated, _ = model.accumulate_grads(lambda p, batch: loss_fn(p, *batch),
                                             2 - x.shape[0] % 2)(shards, (x, y))
     ln = "ln_f.weight" if case["kind"] == "gpt" else "blocks.0.ln.weight"
-    return (sf.pmean(loss.detach(), "dp", mesh=mesh), model.gather_params(shards),
+    return (sf.pmean(loss.detach(), _data_axes(case), mesh=mesh), model.gather_params(shards),
             model.gather_params(grads), model.gather_params(autograd),
             model.gather_params(accumulated),
             sf.all_gather(sf.gather(grads[ln], model.dp_specs[ln], mesh)[None], "tp", dim=0,
@@ -161,7 +174,8 @@ def _train_on_rank(case: dict):
             grads, loss = torch.func.grad_and_value(loss_fn)(params, *batch)
         updates, state = opt.update(grads, state, params)
         params = sf.optim.apply_updates(params, updates)
-        history.append((sf.pmean(loss.detach(), "dp", mesh=mesh), gather_fn(params)))
+        history.append((sf.pmean(loss.detach(), _data_axes(case), mesh=mesh),
+                        gather_fn(params)))
     return history
 
 
@@ -184,7 +198,7 @@ def _reference_train(case: dict):
 
 def _check_training(case: dict, worlds) -> None:
     expected = _reference_train(case)
-    for history in worlds(case["dp"] * case["tp"]).run(_train_on_rank, case):
+    for history in worlds(_n_data(case) * case["tp"]).run(_train_on_rank, case):
         for (loss, params), (want_loss, want) in zip(history, expected, strict=True):
             assert_close(loss, want_loss)
             assert_close(params, want)
@@ -198,7 +212,7 @@ def _check_grads(case: dict, worlds) -> None:
         lambda p: _full_loss(case, fmodel, p, x, y))(params)
     ln = "ln_f.weight" if case["kind"] == "gpt" else "blocks.0.ln.weight"
     for got_loss, full, got, got_autograd, got_accumulated, ln_per_tp in worlds(
-            case["dp"] * case["tp"]).run(_grads_on_rank, case):
+            _n_data(case) * case["tp"]).run(_grads_on_rank, case):
         assert_close(got_loss, loss)
         assert_close(full, params)
         assert_close(got, grads)  # the tied tok/head weight and the fused qkv included
@@ -218,6 +232,14 @@ def test_gpt_forward_loss_and_grads_equal_unsplit(worlds):
 
 def test_gpt_5_adamw_steps_with_clipping_equal_single_process(worlds):
     _check_training(_gpt_case(), worlds)
+
+
+def test_hsdp_x_tp_on_a_3d_mesh_equals_single_process(worlds):
+    # {"rep": 2, "dp": 1, "tp": 2}: gradients averaged over rep and dp, never over tp
+    case = {"kind": "mlp", "rep": 2, "dp": 1, "tp": 2, "d": 5, "hidden": 6, "seq": 2,
+            "per_rank": 2, "seed": 7, "remat": False, "zero": False}
+    _check_grads(case, worlds)
+    _check_training(case, worlds)
 
 
 @pytest.mark.parametrize("zero", ["zero1", "zero2"])
