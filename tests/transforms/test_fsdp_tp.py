@@ -13,6 +13,8 @@ input is refused clearly.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -264,6 +266,36 @@ def test_mlp_fsdp_tp_training_equals_single_process(worlds, mesh, width, per_ran
             "reshard": reshard, "prefetch": prefetch, "units": units}
     _check_grads(case, worlds)
     _check_training(case, worlds)
+
+
+# ---------------------------------------------------------------- communication
+
+
+def _comm_on_rank(case: dict):
+    mesh, tp, model, local, loss_fn = _setup(case)
+    shards = model.init(case["seed"])
+    x, y = local(_batch(case, 0))
+    torch.func.grad(loss_fn)(shards, x, y)  # warm-up: the prefetch order
+    sf.reset_comm_stats()
+    torch.func.grad(loss_fn)(shards, x, y)
+    stats = sf.comm_stats()
+    return stats.by_op, {n: tuple(t.shape) for n, t in tp.init(0).items()}
+
+
+def test_comm_per_step_is_fsdp_over_dp_plus_megatron_over_tp(worlds):
+    case = {"kind": "mlp", "dp": 2, "tp": 2, "d": 5, "hidden": 6, "seq": 3, "per_rank": 2,
+            "seed": 0, "remat": False, "zero": False}
+    dp, tp = case["dp"], case["tp"]
+    activation = case["per_rank"] * case["seq"] * case["d"] * 4  # one dp rank's batch
+    for by_op, tp_shapes in worlds(4).run(_comm_on_rank, case):
+        # dp: each TP shard gathered in forward and again in backward, reduce-scattered once
+        padded = sum(-(-s[0] // dp) * math.prod(s[1:]) * 4 for s in tp_shapes.values())
+        assert by_op[("dp", "all_gather")] == 2 * padded * (dp - 1)
+        assert by_op[("dp", "psum_scatter")] == padded * (dp - 1)
+        # tp: per block one all-reduce of the activations forward (fc2's output) and one
+        # backward (fc1's input gradient); nothing else crosses tp
+        assert by_op[("tp", "psum")] == pytest.approx(2 * 2 * 2 * activation * (tp - 1) / tp)
+        assert {axis for axis, _ in by_op} == {"dp", "tp"}
 
 
 # ---------------------------------------------------------------- layouts and norms
