@@ -211,7 +211,7 @@ def _shard_leaf(x: torch.Tensor, spec: P, mesh: Mesh) -> torch.Tensor:
     return x
 
 
-def shard(tree, specs, mesh: Mesh | None = None):
+def shard(tree, specs, mesh: Mesh | None = None, *, replicated_over=None):
     """This rank's local shards of the full ``tree`` (zero-padded to equal shapes).
 
     Differentiable (it is slicing and padding). No communication: every rank
@@ -221,6 +221,10 @@ def shard(tree, specs, mesh: Mesh | None = None):
         tree: a pytree of full tensors (``None`` leaves pass through).
         specs: a tree of ``P``/``Layout`` (or None = replicated), a prefix of ``tree``.
         mesh: the mesh (default: the current mesh).
+        replicated_over: the mesh axes (a name or tuple) over which ``tree`` is the
+            same (what check mode verifies); default every axis. A shard of a shard
+            (``shard_params`` over ``tensor_split``'s TP shards) is replicated over
+            the axis it is sharded on only.
 
     Returns:
         A tree of local shards with ``tree``'s structure.
@@ -243,7 +247,8 @@ def shard(tree, specs, mesh: Mesh | None = None):
         if isinstance(spec_leaf, Layout) and tuple(x.shape) != tuple(spec_leaf.shape):
             raise ValueError(f"shard: leaf {name!r} has shape {tuple(x.shape)} but its layout "
                              f"{spec_leaf} is for global shape {tuple(spec_leaf.shape)}")
-    everything = _comm.resolve(mesh.axis_names, mesh)
+    everything = _comm.resolve(mesh.axis_names if replicated_over is None else replicated_over,
+                               mesh)
     if everything.size > 1:
         consistency.check_replicated("sf.shard input", everything, tree)
     out = [x if x is None else _shard_leaf(x, _as_spec(s), mesh)

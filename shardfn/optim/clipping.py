@@ -2,8 +2,15 @@
 
 The global norm is ``sqrt(sum over leaves of sum(g**2))``. When the gradient
 tree is sharded, each rank holds only part of some leaves; pass the spec tree
-(``P`` per leaf, a prefix tree is fine) and each leaf's local sum of squares is
-``psum``-ed over the mesh axes its spec names. Leaves are grouped by that axis
+(``P`` / ``Layout`` per leaf, a prefix tree is fine; ``model.specs`` of any
+sharded model) and each leaf's local sum of squares is ``psum``-ed over the mesh
+axes its spec names. Layout objects that are not a ``P`` name their axes
+themselves: ``sharded_axes`` (``FsdpTpLayout``: FSDP + TP, split over tp and dp)
+or ``axis`` (``tensor_split``'s ``FusedLayout``). So on a 2-D mesh a tp-split
+leaf sharded over dp is summed over both axes, a replicated-over-tp leaf over dp
+only (each tp rank holds the same values: counted once), and a leaf the spec
+calls replicated is not summed at all; zero padding adds nothing. A spec leaf of
+any other kind is refused, naming the leaf. Leaves are grouped by that axis
 set, so there is one psum per distinct set (not per leaf) and replicated leaves
 are counted once, not once per rank.
 
@@ -198,14 +205,32 @@ def clip_by_global_norm(max_norm: float, specs: PyTree = None,
     return GradientTransformation(init, update)
 
 
+def _is_layout(x: Any) -> bool:
+    """A spec leaf: a ``P``, a ``Layout``, or a layout object that names its axes itself:
+    ``sharded_axes`` (the 2-D layouts of ``shard_params`` over ``tensor_split``) or one
+    ``axis`` with a ``shape`` (``tensor_split``'s ``FusedLayout``)."""
+    from shardfn.spec import Layout, P
+
+    return (isinstance(x, (P, Layout)) or isinstance(getattr(x, "sharded_axes", None), tuple)
+            or (isinstance(getattr(x, "axis", None), str) and hasattr(x, "shape")))
+
+
+def _leaf_axes(spec: Any) -> tuple[str, ...]:
+    from shardfn.spec import Layout, P, spec_axes
+
+    if isinstance(spec, (P, Layout)):
+        axes = spec_axes(spec)
+    else:
+        axes = getattr(spec, "sharded_axes", None) or (spec.axis,)
+    return tuple(sorted(set(axes)))
+
+
 def _spec_tree_axis_sets(specs: PyTree) -> set[tuple[str, ...]]:
     """The distinct sorted axis sets named anywhere in the spec tree."""
     if specs is None:
         return set()
-    from shardfn.spec import Layout, P, spec_axes
-
-    spec_leaves = pytree.tree_leaves(specs, is_leaf=lambda x: isinstance(x, (P, Layout)))
-    return {tuple(sorted(set(spec_axes(s)))) for s in spec_leaves if isinstance(s, (P, Layout))}
+    spec_leaves = pytree.tree_leaves(specs, is_leaf=_is_layout)
+    return {_leaf_axes(s) for s in spec_leaves if _is_layout(s)}
 
 
 def _axes_per_leaf(specs: PyTree, tree: PyTree) -> list[tuple[str, ...]]:
@@ -213,15 +238,15 @@ def _axes_per_leaf(specs: PyTree, tree: PyTree) -> list[tuple[str, ...]]:
     n = len(pytree.tree_leaves(tree))
     if specs is None:
         return [()] * n
-    from shardfn.spec import Layout, P, spec_axes
-
-    spec_leaves = per_leaf(specs, tree, lambda x: isinstance(x, (P, Layout)))
-    names = None
+    spec_leaves = per_leaf(specs, tree, _is_layout)
     axes = []
     for i, spec in enumerate(spec_leaves):
-        if spec is not None and not isinstance(spec, (P, Layout)):
-            names = names or pytree.tree_paths(tree)
-            raise ValueError(f"clip_by_global_norm: the spec for leaf {names[i]!r} is {spec!r}; "
-                             f"expected a P, a Layout or None (replicated)")
-        axes.append(tuple(sorted(set(spec_axes(spec)))))
+        if spec is not None and not _is_layout(spec):
+            name = pytree.tree_paths(tree)[i]
+            raise ValueError(
+                f"clip_by_global_norm: cannot tell over which mesh axes leaf {name!r} is split: "
+                f"its spec is {spec!r}; expected a P, a Layout, None (replicated) or a layout "
+                "object naming its axes (.sharded_axes as in FsdpTpModel.specs, or .axis as in "
+                "FusedLayout)")
+        axes.append(() if spec is None else _leaf_axes(spec))
     return axes

@@ -25,17 +25,19 @@ from shardfn.functional import FunctionalModel
 from shardfn.mesh import AxisName, Mesh
 from shardfn.primitives import consistency
 from shardfn.spec import Layout, shard
+from shardfn.transforms._fsdp_tp import over_tensor_split
 from shardfn.transforms.accumulate import accumulate_grads
 from shardfn.transforms.precision import Precision, cast_floating
 from shardfn.transforms.remat import Policy, nothing_saveable
 from shardfn.transforms.shard_params.accumulator import reduce_once
 from shardfn.transforms.shard_params.call import ApplyCall
-from shardfn.transforms.shard_params.choose import UnitPolicy
+from shardfn.transforms.shard_params.choose import UnitPolicy, resolve_units
 from shardfn.transforms.shard_params.functions import RootFn
 from shardfn.transforms.shard_params.placement import OffloadPolicy, Placement
 from shardfn.transforms.shard_params.plan import Plan, Unit, make_plan
 from shardfn.transforms.shard_params.prefetch import PrefetchGuess
 from shardfn.transforms.shard_params.tree import TreeSpec
+from shardfn.transforms.tensor_split import TensorSplitModel
 
 __all__ = ["OffloadPolicy", "ShardedModel", "UnitPolicy", "shard_params"]
 
@@ -320,7 +322,9 @@ class ShardedModel:
         return self.train(False)
 
     def _shard_leaves(self, full: Mapping[str, torch.Tensor]) -> Params:
-        return {name: self._plan.place.store(shard(x, self.specs[name], self.mesh).clone())
+        over = self._plan.all_ax.names  # (over tensor_split: the TP shards differ over tp)
+        return {name: self._plan.place.store(shard(x, self.specs[name], self.mesh,
+                                                   replicated_over=over).clone())
                 for name, x in full.items()}
 
     def __repr__(self) -> str:
@@ -348,7 +352,8 @@ def shard_params(
     """Shard every parameter of ``model`` on dim 0 over ``axis`` (ZeRO-3 / FSDP; HSDP).
 
     Args:
-        model: a functional model (``sf.functional(module)``; may come from a meta module).
+        model: a functional model (``sf.functional(module)``; may come from a meta module),
+            or a ``sf.tensor_split`` model: FSDP + TP, a ``FsdpTpModel`` (docs/fsdp_tp.md).
         mesh: the mesh.
         axis: the mesh axis (or tuple of axes) to shard over.
         units: which submodules are gathered as one unit (the rest is the root unit):
@@ -398,8 +403,14 @@ def shard_params(
     if isinstance(model, nn.Module):
         raise TypeError("shard_params takes a functional model: shard_params(sf.functional("
                         "module), mesh, ...)")
+    if isinstance(model, TensorSplitModel):  # FSDP + TP on a 2-D mesh: see _fsdp_tp.py
+        return over_tensor_split(shard_params, model, mesh, axis, resolve_units(
+            model.fmodel, units), dict(reshard_after_forward=reshard_after_forward,
+            prefetch=prefetch, replicate_axis=replicate_axis, grad_reduce=grad_reduce,
+            precision=precision, offload=offload, remat=remat))
     if not isinstance(model, FunctionalModel):
-        raise TypeError(f"shard_params expects a FunctionalModel, got {type(model).__name__}")
+        raise TypeError(f"shard_params expects a FunctionalModel or a TensorSplitModel "
+                        f"(sf.tensor_split: FSDP + TP), got {type(model).__name__}")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an sf.Mesh, got {type(mesh).__name__}")
     if grad_reduce not in ("mean", "sum"):

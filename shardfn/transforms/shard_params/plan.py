@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import contextvars
-import copy
 import dataclasses
 import math
 from collections.abc import Collection, Mapping, Sequence
@@ -30,6 +29,7 @@ from shardfn.functional import FunctionalModel
 from shardfn.mesh import AxisName, Mesh
 from shardfn.primitives import _comm
 from shardfn.spec import Layout, P, local_shape
+from shardfn.transforms._fsdp_tp import copy_sharing_meshes
 from shardfn.transforms.remat import Policy
 from shardfn.transforms.shard_params.choose import UnitPolicy, resolve_units, suggest
 from shardfn.transforms.shard_params.placement import Placement
@@ -145,7 +145,9 @@ def build_units(model: FunctionalModel, paths: tuple[str, ...], n: int, token: o
     the dtypes of the shards ``apply`` is given, from which the gather and reduce dtypes
     follow (through ``place``).
     """
-    skeleton = copy.deepcopy(model.module)  # meta: free; the wrapping must not touch `model`
+    # meta: free; the wrapping must not touch `model`; a Mesh held by a module (the split
+    # layers of tensor_split) cannot be copied: copies share it
+    skeleton = copy_sharing_meshes(model.module)
     inner = [skeleton.get_submodule(p) for p in paths]
     used: dict[int, dict[str, str]] = {}  # unit index -> leaf name -> its name in the module
     for index, (path, module) in enumerate(zip(paths, inner, strict=True)):
