@@ -32,6 +32,8 @@ from shardfn.spec import Layout, P, gather, layout_of, local_shape, shard, spec_
 from shardfn.transforms import (
     Colwise,
     DataParallel,
+    FsdpTpLayout,
+    FsdpTpModel,
     FusedLayout,
     LossScaler,
     OffloadPolicy,
@@ -67,6 +69,8 @@ __all__ = [
     "CommStats",
     "ConsistencyError",
     "DataParallel",
+    "FsdpTpLayout",
+    "FsdpTpModel",
     "FunctionalModel",
     "FusedLayout",
     "ScaleState",

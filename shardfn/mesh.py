@@ -81,6 +81,14 @@ class Mesh:
             for combo in itertools.combinations(self.axis_names, count):
                 self._groups[combo] = self._make_groups(combo)
 
+    def __copy__(self) -> Mesh:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Mesh:
+        """A mesh is an immutable handle on process groups (which cannot be copied): copies
+        of a module or a model that hold one share it."""
+        return self
+
     # ---- shape -----------------------------------------------------------------
     @property
     def axis_names(self) -> tuple[str, ...]:

@@ -86,3 +86,20 @@ def test_size_mismatch_in_a_world(worlds):
 def test_axis_sizes_must_be_ints_not_bools(size):
     with pytest.raises(ValueError, match="sizes are ints >= 1"):
         sf.Mesh({"dp": size})
+
+
+def test_copies_of_a_mesh_are_the_mesh(worlds):
+    """Process groups cannot be copied: a deep copy of a module holding a mesh shares it."""
+    import copy
+
+    def copies():
+        import torch
+
+        from shardfn.mesh import Mesh
+
+        mesh = Mesh({"dp": 2})
+        holder = {"mesh": mesh, "w": torch.zeros(1)}
+        clone = copy.deepcopy(holder)
+        return clone["mesh"] is mesh and copy.copy(mesh) is mesh and clone["w"] is not holder["w"]
+
+    assert worlds(2).run(copies) == [True, True]

@@ -1,5 +1,6 @@
 """Composable transforms: each file is one transform you can read top to bottom."""
 
+from shardfn.transforms._fsdp_tp import FsdpTpLayout, FsdpTpModel
 from shardfn.transforms.accumulate import accumulate_grads, split_batch
 from shardfn.transforms.data_parallel import DataParallel, data_parallel
 from shardfn.transforms.loss_scale import (
@@ -28,6 +29,8 @@ from shardfn.transforms.vocab_parallel import vocab_parallel_cross_entropy
 __all__ = [
     "Colwise",
     "DataParallel",
+    "FsdpTpLayout",
+    "FsdpTpModel",
     "FusedLayout",
     "LossScaler",
     "OffloadPolicy",
