@@ -32,19 +32,28 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from hypothesis import settings
 
-from shardfn.testing import worlds as _worlds
-from shardfn.testing.local_world import LocalWorld, RankError
+__all__ = ["PROFILES", "examples_for", "local_world"]
 
-__all__ = ["examples_for", "local_world"]
-
+# Installed as an entry point, this module is imported by every pytest run in the
+# environment (with shardfn and torch, its parents): it must not need hypothesis, a
+# test dependency, and imports the local world only when a test uses one.
 PROFILES = {
     "shardfn-ci": dict(max_examples=10, deadline=None, derandomize=True, print_blob=True),
     "shardfn-dev": dict(max_examples=25, deadline=None),
 }
-for _name, _options in PROFILES.items():
-    settings.register_profile(_name, **_options)
+
+
+def _register_profiles() -> None:
+    try:
+        from hypothesis import settings
+    except ImportError:  # hypothesis is a test dependency: no profiles without it
+        return
+    for name, options in PROFILES.items():
+        settings.register_profile(name, **options)
+
+
+_register_profiles()
 
 
 def examples_for(n_ranks: int, base: int | None = None) -> int:
@@ -60,6 +69,8 @@ def examples_for(n_ranks: int, base: int | None = None) -> int:
     Example:
         >>> @settings(max_examples=examples_for(4))
     """
+    from hypothesis import settings
+
     base = settings().max_examples if base is None else base
     return base if n_ranks <= 2 else max(2, base * 2 // n_ranks)
 
@@ -71,19 +82,25 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    _worlds.close_all()
+    import sys
+
+    worlds = sys.modules.get("shardfn.testing.worlds")
+    if worlds is not None:  # worlds were possibly started: end them
+        worlds.close_all()
 
 
 @pytest.fixture(scope="session")
-def local_world() -> Iterator[Callable[[int], LocalWorld]]:
+def local_world() -> Iterator[Callable[[int], Any]]:
     """``local_world(n)``: the session's ``LocalWorld`` of ``n`` ranks (started on first use).
 
     Example:
         >>> def test_sum(local_world):
         ...     assert local_world(2).run(lambda: 1) == [1, 1]
     """
-    yield _worlds.shared_world
-    _worlds.close_all()
+    from shardfn.testing import worlds
+
+    yield worlds.shared_world
+    worlds.close_all()
 
 
 class RankFailure(AssertionError):
@@ -123,8 +140,11 @@ def _on_ranks(fn: Callable, size: int, name: str) -> Callable:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> None:
+        from shardfn.testing.local_world import RankError
+        from shardfn.testing.worlds import shared_world
+
         try:
-            _worlds.shared_world(size).run(body, *args, **kwargs)
+            shared_world(size).run(body, *args, **kwargs)
         except RankError as err:
             raise RankFailure(err.rank, f"{name} failed on rank {err.rank} of {size}:\n"
                               f"{err.remote_traceback}") from None
