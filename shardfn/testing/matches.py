@@ -237,7 +237,7 @@ def assert_sharded_matches(sharded: Callable[[Any], Trainer],
                            steps: int | None = None, split: Any = "default",
                            world: Any = None, rtol: float | None = None,
                            atol: float | None = None,
-                           compare: Sequence[str] = COMPARE) -> list[list[dict[str, Any]]]:
+                           compare: Sequence[str] | None = None) -> list[list[dict[str, Any]]]:
     """Run ``sharded`` on a local world and ``reference`` here; assert they agree leaf by leaf.
 
     Args:
@@ -254,8 +254,9 @@ def assert_sharded_matches(sharded: Callable[[Any], Trainer],
         world: a ``LocalWorld``, a ``worlds(n)``-style function, or None (the session's
             shared worlds, those of the pytest plugin's ``local_world`` fixture).
         rtol, atol: tolerances (both or neither; default: assert_close's for the dtype).
-        compare: the record keys to compare, in this order (absent in the reference:
-            skipped).
+        compare: the record keys to compare, in this order; a key the reference has and
+            the sharded side lacks fails. Default :data:`COMPARE` (loss, outputs, grads,
+            params, opt_state), each compared where both sides report it.
 
     Returns:
         Every rank's records (init, then one per step), for further checks.
@@ -272,6 +273,8 @@ def assert_sharded_matches(sharded: Callable[[Any], Trainer],
     shape = _mesh_shape(mesh, n_ranks)
     if (rtol is None) != (atol is None):
         raise ValueError("assert_sharded_matches: pass both rtol and atol, or neither")
+    strict = compare is not None
+    compare = COMPARE if compare is None else compare
     bad = [key for key in compare if not isinstance(key, str)]
     if bad or isinstance(compare, str):
         raise ValueError(f"assert_sharded_matches: compare takes a sequence of key names, "
@@ -289,6 +292,10 @@ def assert_sharded_matches(sharded: Callable[[Any], Trainer],
     expected = _run_trainer(ref, batches, None, None)
     n = math.prod(shape.values())
     per_rank = _worlds.resolve(world, n).run(_on_rank, sharded, shape, batches, split)
+    compared = [key for key in compare if any(key in record for record in expected)]
+    if not compared:
+        raise ValueError(f"assert_sharded_matches: the reference reports none of {compare} "
+                         f"(it reports {sorted(set().union(*expected))}); nothing to compare")
     compare_runs(expected, per_rank, keys=tuple(compare), tolerance=Tolerance(rtol, atol),
-                 mesh_shape=shape)
+                 mesh_shape=shape, strict=strict)
     return per_rank
