@@ -183,8 +183,14 @@ def split_over(axis: str | tuple[str, ...] | None) -> Callable[[Any, Any], Any]:
 
 
 def _detached(tree: Any) -> Any:
-    return pytree.tree_map(
-        lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, tree)
+    """CPU copies of the tensors; other leaves that may not pickle (a mesh) become their type."""
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.detach().to("cpu", copy=True)
+        return x if isinstance(x, (bool, int, float, complex, str, type(None))) else (
+            f"<{type(x).__name__}>")
+
+    return pytree.tree_map(leaf, tree)
 
 
 def _run_trainer(trainer: Trainer, batches: Sequence[Any], split: Callable | None,

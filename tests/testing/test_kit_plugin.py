@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 from shardfn.testing import worlds as shared
+from shardfn.testing.pytest_plugin import examples_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,3 +77,7 @@ def test_plugin_fixture_marker_and_profiles_in_a_fresh_pytest(tmp_path):
 
 def test_the_repository_fixture_is_the_plugins(worlds, local_world):
     assert worlds(2) is local_world(2) is shared.shared_world(2)
+
+
+def test_examples_for_scales_down_with_the_world_size():
+    assert [examples_for(n, 10) for n in (1, 2, 4, 8, 40)] == [10, 10, 5, 2, 2]
