@@ -9,7 +9,8 @@ Four families, each a correct sharded step and its unsharded reference:
 * ``zero``: hand-written ZeRO-2 with momentum: gradients reduce-scattered per leaf,
   the momentum sharded, parameters all-gathered.
 
-``MUTANTS`` maps each broken variant to ``(family, bug, the hint it must get)``.
+``MUTANTS`` maps each broken variant to ``(family, the hint it must get)``: the eight of
+issue 14, and a ninth (the last shard's padding put in front of its rows).
 Every function is importable, so the local world's ranks can unpickle them.
 """
 
@@ -147,6 +148,9 @@ def fsdp_sharded(spec, seed, bug=None):
     def make(mesh):
         model = sf.shard_params(sf.functional(spec()), mesh, "dp")
         trainable, rest = model.split_trainable(model.init(seed))
+        if bug == "padding_in_front":  # the last rank's zero padding put before its rows
+            trainable = {k: _pad_in_front(v, model.specs[k].shape, mesh)
+                         for k, v in trainable.items()}
         loss = _trainable_loss(model.apply, spec, lambda _: rest)
         specs = {k: model.specs[k] for k in trainable}
         if bug == "padding_leaked":  # bare specs gathered at the padded size
@@ -161,6 +165,12 @@ def fsdp_sharded(spec, seed, bug=None):
         return loss_trainer(trainable, loss, opt=sf.optim.adam(1e-2),
                             reduce_loss=lambda value: sf.pmean(value, "dp"), gather=gather)
     return make
+
+
+def _pad_in_front(shard, shape, mesh):
+    n, rank = mesh.size("dp"), mesh.index("dp")
+    pad = shard.shape[0] * n - shape[0] if shard.dim() else 0
+    return torch.roll(shard, pad, 0) if pad and rank == n - 1 else shard
 
 
 def fsdp_reference(spec, seed):
@@ -257,6 +267,7 @@ MUTANTS = {
     "forgotten_pvary": ("megatron", "forgotten pvary"),
     "wrong_spec_dim": ("megatron", "wrong spec dim"),
     "padding_leaked": ("fsdp", "padding leaked"),
+    "padding_in_front": ("fsdp", "uneven-shard bug"),
     "stale_opt_shard": ("zero", "stale state"),
     "wrong_chunk": ("zero", "wrong chunk"),
 }
