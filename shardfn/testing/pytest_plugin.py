@@ -140,9 +140,18 @@ def _on_ranks(fn: Callable, size: int, name: str) -> Callable:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> None:
+        import cloudpickle
+
         from shardfn.testing.local_world import RankError
         from shardfn.testing.worlds import shared_world
 
+        for arg, value in kwargs.items():
+            try:
+                cloudpickle.dumps(value)
+            except Exception as err:  # a LocalWorld, an open file ...: say which argument
+                raise TypeError(f"{name}: @pytest.mark.world ships the test's arguments to the "
+                                f"ranks, but {arg!r} ({type(value).__name__}) cannot be "
+                                f"pickled: {err}") from None
         try:
             shared_world(size).run(body, *args, **kwargs)
         except RankError as err:

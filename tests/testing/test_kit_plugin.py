@@ -53,6 +53,17 @@ def test_examples_run_on_the_ranks(x):
     assert total.item() == 3 * x
 
 
+@pytest.fixture
+def lock():
+    import threading
+    return threading.Lock()
+
+
+@pytest.mark.world(2)
+def test_unpicklable_argument_is_named(lock):
+    pass
+
+
 def test_profiles_are_registered():
     from hypothesis import settings
     assert settings.get_profile("shardfn-ci").deadline is None
@@ -70,7 +81,9 @@ def test_plugin_fixture_marker_and_profiles_in_a_fresh_pytest(tmp_path):
          str(tmp_path / "test_user.py")],
         capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     out = result.stdout + result.stderr
-    assert "1 failed, 4 passed" in out, out
+    assert "2 failed, 4 passed" in out, out
+    assert "@pytest.mark.world ships the test's arguments to the ranks, but 'lock' (lock) " \
+        "cannot be pickled" in out, out
     assert "test_fails_on_rank_one failed on rank 1 of 2" in out, out
     assert "only rank 0 passes" in out, out
 
