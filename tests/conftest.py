@@ -1,9 +1,16 @@
-"""Shared test fixtures: hypothesis profiles and the session's persistent local worlds."""
+"""Shared test fixtures: hypothesis profiles and the session's persistent local worlds.
+
+The worlds come from shardfn's pytest plugin (``local_world``): the repository's
+tests, ``@pytest.mark.world(n)`` and ``sf.testing.assert_sharded_matches`` share one
+set of worlds per session. The plugin is loaded here unless its entry point (an
+installed shardfn) loads it already.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -27,23 +34,26 @@ torch.set_num_threads(1)
 MAX_WORLD_SIZE = 4
 
 
+def _entry_point_loads_plugin() -> bool:
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        return False
+    return any(ep.name == "shardfn" for ep in importlib.metadata.entry_points(group="pytest11"))
+
+
+pytest_plugins = [] if _entry_point_loads_plugin() else ["shardfn.testing.pytest_plugin"]
+
+
 @pytest.fixture(scope="session")
-def worlds() -> Iterator[Callable[[int], LocalWorld]]:
+def worlds(local_world) -> Callable[[int], LocalWorld]:
     """Return ``worlds(n)``: the session's ``LocalWorld`` of ``n`` ranks (1..4), made on first use.
 
     Example:
         >>> def test_sum(worlds):
         ...     assert worlds(2).run(lambda: 1) == [1, 1]
     """
-    cache: dict[int, LocalWorld] = {}
-
     def get(size: int) -> LocalWorld:
         if not isinstance(size, int) or not 1 <= size <= MAX_WORLD_SIZE:
             raise ValueError(f"worlds(n) takes n in 1..{MAX_WORLD_SIZE}, got {size!r}")
-        if size not in cache:
-            cache[size] = LocalWorld(size)
-        return cache[size]
+        return local_world(size)
 
-    yield get
-    for world in cache.values():
-        world.close()
+    return get

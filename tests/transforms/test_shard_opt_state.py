@@ -1,4 +1,5 @@
-"""shard_opt_state (ZeRO-1/2) and data_parallel equal single-process training."""
+"""shard_opt_state (ZeRO-1/2) and data_parallel equal single-process training (on sf.testing's
+kit: parameters and gathered optimizer state compared leaf by leaf after every step)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.testing import assert_close
 
 import shardfn as sf
+from shardfn.testing import Trainer, assert_sharded_matches, loss_trainer
 from tests.transforms import _models
 
 OPTIMIZERS = {
@@ -49,107 +50,105 @@ def cases(draw):
 STEPS = 5
 
 
-def _train(case, sharded: bool):
-    """5 steps; on the local world when sharded, else one process on the whole batch."""
-    import torch.distributed as dist
+def _gathered(opt):
+    return lambda v: {**v, "opt_state": opt.gather_state(v["opt_state"], v["params"])}
 
-    import shardfn as sf
-    from tests.transforms import _models
 
-    n = case["n"] if sharded else 1
-    rank = dist.get_rank() if sharded and dist.is_initialized() else 0
+def _trainer(case, opt, donate=False, gather=None) -> Trainer:
+    """``STEPS`` of accumulated gradients and ``opt``; records this rank's comm and state size."""
     params = _models.init_params(case["vocab"], case["d"], case["hidden"], case["seed"])
-    opt = make_opt(case["opt"], case["clip"])
-    mesh = sf.Mesh({"dp": n}) if sharded else None
-    donate = sharded and case.get("donate", False)
-    if sharded:
-        opt = sf.shard_opt_state(opt, mesh, "dp", shard_grads=case["shard_grads"],
-                                 bucket_bytes=case["bucket_bytes"], donate=donate)
-    state = opt.init(params)
     grad_fn = sf.accumulate_grads(torch.func.grad_and_value(_models.loss_fn), case["accumulate"])
-    sf.reset_comm_stats()
-    losses = []
-    for step in range(STEPS):
-        size = case["per_rank"] * case["accumulate"] * case["n"]
-        batch = _models.make_batch(size, case["vocab"], case["seed"] + step)
-        if sharded:
-            batch = _models.rank_slice(batch, rank, n)
-        grads, loss = grad_fn(params, batch)
-        updates, state = opt.update(grads, state, params)
-        params = sf.optim.apply_updates(params, updates, donate=donate)
-        losses.append(loss)
-    stats = sf.comm_stats()
-    full_state = opt.gather_state(state, params) if sharded else state
-    local_state_numel = (sum(t.numel() for t in sf.pytree.tree_leaves(state.inner) if t.dim())
-                         if sharded else None)
-    return params, full_state, stats, local_state_numel
+
+    def step(state, batch):
+        sf.reset_comm_stats()
+        grads, _ = grad_fn(state["params"], batch)
+        updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+        params = sf.optim.apply_updates(state["params"], updates, donate=donate)
+        stats, inner = sf.comm_stats(), getattr(opt_state, "inner", ())
+        return {"params": params, "opt_state": opt_state}, {
+            "rs": stats.op_calls("psum_scatter"), "ag": stats.op_calls("all_gather"),
+            "bytes": stats.total_bytes,
+            "numel": sum(t.numel() for t in sf.pytree.tree_leaves(inner) if t.dim())}
+    return Trainer({"params": params, "opt_state": opt.init(params)}, step, gather)
+
+
+def _sharded(case):
+    def make(mesh):
+        donate = bool(case.get("donate"))
+        opt = sf.shard_opt_state(make_opt(case["opt"], case["clip"]), mesh, "dp",
+                                 shard_grads=case["shard_grads"],
+                                 bucket_bytes=case["bucket_bytes"], donate=donate)
+        return _trainer(case, opt, donate, _gathered(opt))
+    return make
+
+
+def _check(case, world):
+    """Every rank's records (init, then one per step) after comparing with one process."""
+    size = case["per_rank"] * case["accumulate"] * case["n"]
+    return assert_sharded_matches(
+        _sharded(case), lambda: _trainer(case, make_opt(case["opt"], case["clip"])),
+        n_ranks=case["n"], world=world, compare=("params", "opt_state"),
+        inputs=[_models.make_batch(size, case["vocab"], case["seed"] + s) for s in range(STEPS)])
 
 
 @given(case=cases())
 def test_sharded_optimizer_matches_single_process(worlds, case):
-    ref_params, ref_state, _, _ = _train(case, sharded=False)
-    results = worlds(case["n"]).run(_train, case, True)
-    for rank, (params, state, stats, _) in enumerate(results):
-        assert_close(params, ref_params, msg=lambda m, r=rank: f"rank {r} params: {m}")
-        assert_close(state, ref_state, msg=lambda m, r=rank: f"rank {r} optimizer state: {m}")
+    for records in _check(case, worlds):
         if case["n"] > 1:
             # one reduce-scatter and one all-gather per bucket per step, whatever the accumulation
-            calls = stats.op_calls("psum_scatter")
-            assert calls == stats.op_calls("all_gather") and calls % STEPS == 0
+            assert len({(r["rs"], r["ag"]) for r in records[1:]}) == 1
+            assert records[1]["rs"] == records[1]["ag"] > 0
 
 
 def test_comm_bytes_and_state_memory_follow_the_zero_formulas(worlds):
     case = dict(n=4, vocab=64, d=16, hidden=7, opt="adam", clip=None, accumulate=3, per_rank=2,
                 shard_grads=True, bucket_bytes=2**12, seed=3)
-    params = _models.init_params(case["vocab"], case["d"], case["hidden"], case["seed"])
-    total = sum(p.numel() for p in params.values())
-    psi = total * 4
-    results = worlds(4).run(_train, case, True)
-    n = case["n"]
+    total = sum(p.numel() for p in _models.init_params(64, 16, 7, 3).values())
+    psi, n = total * 4, case["n"]
     buckets = math.ceil(psi / case["bucket_bytes"])
-    for stats, state_numel in [(r[2], r[3]) for r in results]:
-        per_step = stats.total_bytes / STEPS
+    for records in _check(case, worlds):
+        per_step = sum(r["bytes"] for r in records[1:]) / STEPS
         ideal = 2 * psi * (n - 1) / n
         padding = 2 * (n - 1) * 4 * buckets * (n - 1) / n  # < N elements of padding per bucket
         assert ideal <= per_step <= ideal + padding, (per_step, ideal)
         # one reduction per step although 3 micro-batches were accumulated
-        assert stats.op_calls("psum_scatter") == STEPS * buckets
+        assert [r["rs"] for r in records[1:]] == [buckets] * STEPS
         # Adam keeps two moments: at most ceil(total / N) + per-bucket padding elements each
-        assert state_numel <= 2 * (math.ceil(total / n) + buckets)
-        assert state_numel >= 2 * (total // n - buckets * n)
+        state_numel = records[-1]["numel"]
+        assert 2 * (total // n - buckets * n) <= state_numel <= 2 * (math.ceil(total / n) + buckets)
 
 
-def _dp_step(shape, bucket_bytes, seed):
-    import torch.distributed as dist
+def _dp_step(bucket_bytes):
+    def make(mesh):
+        dp = sf.data_parallel(mesh, "dp", bucket_bytes=bucket_bytes)
 
-    import shardfn as sf
-    from tests.transforms import _models
+        def step(state, batch):
+            sf.reset_comm_stats()
+            pure = dp.reduce_grads(torch.func.grad(_models.loss_fn)(state["params"], batch))
+            stats = sf.comm_stats()
+            leaves = {k: v.clone().requires_grad_() for k, v in state["params"].items()}
+            with dp.overlap(leaves) as sync:
+                _models.loss_fn(leaves, batch).backward()
+            return state, {"grads": {"pure": pure, "overlap": sync.grads()},
+                           "bytes": stats.op_bytes("psum"), "calls": stats.op_calls("psum")}
+        return Trainer({"params": _models.init_params(10, 3, 5, 7)}, step)
+    return make
 
-    n, rank = dist.get_world_size(), dist.get_rank()
-    mesh = sf.Mesh({"dp": n})
-    dp = sf.data_parallel(mesh, "dp", bucket_bytes=bucket_bytes)
-    params = _models.init_params(*shape, seed)
-    batch = _models.rank_slice(_models.make_batch(2 * n, shape[0], seed), rank, n)
-    sf.reset_comm_stats()
-    pure = dp.reduce_grads(torch.func.grad(_models.loss_fn)(params, batch))
-    pure_stats = sf.comm_stats()
-    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
-    with dp.overlap(leaves) as sync:
-        _models.loss_fn(leaves, batch).backward()
-    return pure, sync.grads(), pure_stats
+
+def _mean_gradient():
+    def step(state, batch):
+        grads = torch.func.grad(_models.loss_fn)(state["params"], batch)
+        return state, {"grads": {"pure": grads, "overlap": grads}}
+    return Trainer({"params": _models.init_params(10, 3, 5, 7)}, step)
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_data_parallel_equals_mean_gradient(worlds, n):
-    shape, seed = (10, 3, 5), 7
-    params = _models.init_params(*shape, seed)
-    expected = torch.func.grad(_models.loss_fn)(params, _models.make_batch(2 * n, shape[0], seed))
-    psi = sum(p.numel() for p in params.values()) * 4
-    for pure, overlapped, stats in worlds(n).run(_dp_step, shape, 40, seed):
-        assert_close(pure, expected)
-        assert_close(overlapped, expected)
-        assert stats.op_bytes("psum") == pytest.approx(2 * psi * (n - 1) / n, abs=n)
-        assert stats.op_calls("psum") == math.ceil(psi / 40)  # 40-byte buckets, whole leaves
+    psi = sum(p.numel() for p in _models.init_params(10, 3, 5, 7).values()) * 4
+    for _, got in assert_sharded_matches(_dp_step(40), _mean_gradient, n_ranks=n, world=worlds,
+                                         inputs=[_models.make_batch(2 * n, 10, 7)]):
+        assert got["bytes"] == pytest.approx(2 * psi * (n - 1) / n, abs=n)
+        assert got["calls"] == math.ceil(psi / 40)  # 40-byte buckets, whole leaves
 
 
 def test_bad_input_gives_clear_errors(worlds):
@@ -184,12 +183,12 @@ def test_bad_input_gives_clear_errors(worlds):
         assert "another partitioning" in errors[1] and f"index {1 - rank}" in errors[1]
 
 
+
 def test_state_round_trips_between_world_sizes(worlds):
     """gather_state at N=2, shard_state at N=4: training continues identically."""
     case = dict(n=2, vocab=12, d=3, hidden=5, opt="adamw", clip=None, accumulate=1, per_rank=2,
                 shard_grads=False, bucket_bytes=2**20, seed=11)
-    _, full_state_2, _, _ = worlds(2).run(_train, case, True)[0]
-    ref_params, ref_state, _, _ = _train(case, sharded=False)
+    final = _check(case, worlds)[0][-1]  # equal to the single-process state (checked)
 
     def reshard(full_state, params):
         import shardfn as sf
@@ -197,54 +196,8 @@ def test_state_round_trips_between_world_sizes(worlds):
         opt = sf.shard_opt_state(make_opt("adamw", None), sf.Mesh({"dp": 4}), "dp")
         return opt.gather_state(opt.shard_state(full_state, params), params)
 
-    for state in worlds(4).run(reshard, full_state_2, ref_params):
-        assert_close(state, ref_state)
-
-
-def _zero2_autograd(n_steps, bucket_bytes, seed):
-    """ZeRO-2 with autograd: gradients reduce-scattered during backward, .grad freed."""
-    import torch.distributed as dist
-
-    import shardfn as sf
-    from tests.transforms import _models
-
-    n, rank = dist.get_world_size(), dist.get_rank()
-    mesh = sf.Mesh({"dp": n})
-    params = _models.init_params(11, 3, 5, seed)
-    opt = sf.shard_opt_state(sf.optim.adamw(1e-2), mesh, "dp", shard_grads=True,
-                             bucket_bytes=bucket_bytes)
-    state = opt.init(params)
-    grads_left = []
-    for step in range(n_steps):
-        batch = _models.rank_slice(_models.make_batch(2 * n, 11, seed + step), rank, n)
-        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
-        with opt.overlap(leaves) as sync:
-            _models.loss_fn(leaves, batch).backward()
-        after_backward = sum(p.grad is not None for p in leaves.values())
-        reduced = sync.grads()
-        grads_left.append((after_backward, sum(p.grad is not None for p in leaves.values())))
-        updates, state = opt.update(reduced, state, params)
-        params = sf.optim.apply_updates(params, updates)
-    return params, grads_left
-
-
-@pytest.mark.parametrize("bucket_bytes", [24, 2**20])
-def test_zero2_overlap_with_autograd_matches_single_process(worlds, bucket_bytes):
-    seed, n = 5, 2
-    params = _models.init_params(11, 3, 5, seed)
-    opt = sf.optim.adamw(1e-2)
-    state = opt.init(params)
-    for step in range(3):
-        grads = torch.func.grad(_models.loss_fn)(params, _models.make_batch(2 * n, 11, seed + step))
-        updates, state = opt.update(grads, state, params)
-        params = sf.optim.apply_updates(params, updates)
-    for got, grads_left in worlds(n).run(_zero2_autograd, 3, bucket_bytes, seed):
-        assert_close(got, params)
-        # a .grad is the send buffer of its buckets: it is freed once they are reduced,
-        # during backward for all but the last buckets in flight, and none outlives grads()
-        assert [after for _, after in grads_left] == [0, 0, 0]
-        if bucket_bytes == 24:  # many buckets: most gradients were freed during backward
-            assert all(during < len(params) for during, _ in grads_left), grads_left
+    for state in worlds(4).run(reshard, final["opt_state"], final["params"]):
+        torch.testing.assert_close(state, final["opt_state"])
 
 
 def _donation(bucket_bytes, steps):
@@ -291,42 +244,46 @@ def test_donation_is_bitwise_the_same_and_in_place(worlds, bucket_bytes):
         assert report == {"untouched": True, "bitwise": True, "in_place": True}
 
 
-def _zero1_autograd(n_steps, bucket_bytes, seed):
-    """ZeRO-1 with autograd: reduce-scatter during backward, .grad kept as autograd wrote it."""
-    import torch.distributed as dist
+def _autograd(shard_grads, bucket_bytes, seed):
+    """ZeRO-1/2 with autograd: reduce-scatter during backward; ZeRO-2 frees .grad, ZeRO-1 keeps
+    it as autograd wrote it."""
+    def make(mesh):
+        opt = sf.shard_opt_state(sf.optim.adamw(1e-2), mesh, "dp", shard_grads=shard_grads,
+                                 bucket_bytes=bucket_bytes)
 
-    import shardfn as sf
-    from tests.transforms import _models
-
-    n, rank = dist.get_world_size(), dist.get_rank()
-    params = _models.init_params(11, 3, 5, seed)
-    opt = sf.shard_opt_state(sf.optim.adamw(1e-2), sf.Mesh({"dp": n}), "dp",
-                             bucket_bytes=bucket_bytes)
-    state = opt.init(params)
-    kept = []
-    for step in range(n_steps):
-        batch = _models.rank_slice(_models.make_batch(2 * n, 11, seed + step), rank, n)
-        local = torch.func.grad(_models.loss_fn)(params, batch)
-        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
-        with opt.overlap(leaves) as sync:
-            _models.loss_fn(leaves, batch).backward()
-        reduced = sync.grads()
-        kept.append(all(torch.allclose(leaves[k].grad, local[k]) for k in local))
-        updates, state = opt.update(reduced, state, params)
-        params = sf.optim.apply_updates(params, updates)
-    return params, kept
+        def step(state, batch):
+            params = state["params"]
+            leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+            with opt.overlap(leaves) as sync:
+                _models.loss_fn(leaves, batch).backward()
+            during = sum(p.grad is not None for p in leaves.values())
+            reduced = sync.grads()
+            local = {} if shard_grads else torch.func.grad(_models.loss_fn)(params, batch)
+            kept = all(torch.allclose(leaves[k].grad, local[k]) for k in local)
+            updates, opt_state = opt.update(reduced, state["opt_state"], params)
+            return {"params": sf.optim.apply_updates(params, updates), "opt_state": opt_state}, {
+                "during": during, "after": sum(p.grad is not None for p in leaves.values()),
+                "kept": kept}
+        params = _models.init_params(11, 3, 5, seed)
+        return Trainer({"params": params, "opt_state": opt.init(params)}, step, _gathered(opt))
+    return make
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_zero1_overlap_with_autograd_matches_single_process(worlds, n):
+@pytest.mark.parametrize(("shard_grads", "n", "bucket_bytes"),
+                         [(True, 2, 24), (True, 2, 2**20), (False, 2, 24), (False, 3, 24)])
+def test_overlap_with_autograd_matches_single_process(worlds, shard_grads, n, bucket_bytes):
     seed = 5
-    params = _models.init_params(11, 3, 5, seed)
-    opt = sf.optim.adamw(1e-2)
-    state = opt.init(params)
-    for step in range(3):
-        grads = torch.func.grad(_models.loss_fn)(params, _models.make_batch(2 * n, 11, seed + step))
-        updates, state = opt.update(grads, state, params)
-        params = sf.optim.apply_updates(params, updates)
-    for got, kept in worlds(n).run(_zero1_autograd, 3, 24, seed):
-        assert_close(got, params)
-        assert kept == [True, True, True]  # ZeRO-1 leaves the local .grad in place
+    reference = lambda: loss_trainer(_models.init_params(11, 3, 5, seed),  # noqa: E731
+                                     _models.loss_fn, opt=sf.optim.adamw(1e-2))
+    for records in assert_sharded_matches(
+            _autograd(shard_grads, bucket_bytes, seed), reference, n_ranks=n, world=worlds,
+            inputs=[_models.make_batch(2 * n, 11, seed + s) for s in range(3)]):
+        steps = records[1:]
+        if not shard_grads:  # ZeRO-1 leaves the local .grad in place
+            assert [r["kept"] for r in steps] == [True] * 3
+            continue
+        # a .grad is the send buffer of its buckets: it is freed once they are reduced,
+        # during backward for all but the last buckets in flight, and none outlives grads()
+        assert [r["after"] for r in steps] == [0, 0, 0]
+        if bucket_bytes == 24:  # many buckets: most gradients were freed during backward
+            assert all(r["during"] < 5 for r in steps), steps
