@@ -401,6 +401,21 @@ def step_peak_bytes(step: Callable[[], None]) -> int:
     return (_kib("VmHWM") - before) * 1024
 
 
+def without_key_bias(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``params`` with the key part of every fused qkv bias left out.
+
+    Its true gradient is zero (adding a constant to every key shifts each row of the
+    attention scores by a constant, which softmax ignores), so both systems' gradients
+    there are round-off, which Adam scales up to steps of about ``lr``: the two drift
+    apart there by design, not by a bug.
+    """
+    out = dict(params)
+    for name in [n for n in params if n.endswith("attn.qkv.bias")]:
+        q, _, v = params[name].chunk(3)
+        out[name] = torch.cat([q, v])
+    return out
+
+
 @dataclasses.dataclass
 class Row:
     """What rank 0 reports for one system."""
@@ -459,7 +474,8 @@ def measure_group(kind: str, settings: Settings, warmup: int, steps: int,
                                   for k, v in system.state().items()}
     diff = None
     if len(systems) == 2:
-        diff = _max_over_ranks(rel_diff(systems["shardfn"].params(), systems["torch"].params()))
+        diff = _max_over_ranks(rel_diff(*(without_key_bias(systems[name].params())
+                                          for name in ("shardfn", "torch"))))
     params = sum(p.numel() for p in model.make_module().parameters())
     return {"kind": kind, "rows": rows, "diff": diff, "params": params}
 
