@@ -30,7 +30,9 @@ head count from the local weight (torch users set ``n_heads // tp``). After the
 run, the final parameters of the two are compared (max rel diff).
 
 Measured per system: median step time (rank 0, between barriers; the step is
-forward + backward + AdamW), the persistent bytes per rank (params + grads +
+forward + backward + AdamW), the median CPU time of a step (``process_time``
+of the rank, all its threads; max over ranks: less sensitive than the wall
+clock to other jobs on a shared machine), the persistent bytes per rank (params + grads +
 optimizer state, distinct storages of the local tensors) and the peak resident
 memory of one more step above what was resident before it (``VmHWM`` after
 ``malloc_trim`` and a reset of the high-water mark; the same method for both,
@@ -421,6 +423,8 @@ class Row:
     """What rank 0 reports for one system."""
 
     times_s: list[float] = dataclasses.field(default_factory=list)
+    cpu_s: list[float] = dataclasses.field(default_factory=list)  # this rank's CPU time
+    cpu_median_s: float = float("nan")  # the median of cpu_s, max over ranks
     state_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     peak_bytes: int = 0
     loss: float = float("nan")
@@ -460,14 +464,17 @@ def measure_group(kind: str, settings: Settings, warmup: int, steps: int,
         shift = r % max(1, len(order))
         for name in order[shift:] + order[:shift]:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             systems[name].step(r)
+            cpu = time.process_time() - cpu0
             dist.barrier()
             if r >= warmup:
                 rows[name].times_s.append(time.perf_counter() - t0)
+                rows[name].cpu_s.append(cpu)
         log(f"  {kind}: round {r + 1}/{warmup + steps}")
     last = warmup + steps
     for name, system in systems.items():
+        rows[name].cpu_median_s = _max_over_ranks(statistics.median(rows[name].cpu_s))
         peak = step_peak_bytes(lambda system=system: system.step(last))
         rows[name].peak_bytes = int(_max_over_ranks(peak))
         rows[name].state_bytes = {k: int(_max_over_ranks(storage_bytes(v)))
@@ -512,18 +519,21 @@ def _ms(row: Row) -> str:
 
 def table(groups: list[dict]) -> str:
     lines = ["| model | plan | shardfn ms | torch ms | ratio (target ≤ 1.0) "
+             "| CPU ms/step/rank shardfn / torch (ratio) "
              "| shardfn MiB/rank: state (p+g+opt) / step peak | torch MiB/rank: same "
              "| first loss (both = unsplit) | max rel diff at the end |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for g in groups:
         sf_row, torch_row = g["rows"]["shardfn"], g["rows"]["torch"]
-        ratio = "—"
+        ratio, cpu = "—", "—"
         if sf_row.times_s and torch_row.times_s:
             value = statistics.median(sf_row.times_s) / statistics.median(torch_row.times_s)
             ratio = f"{value:.3f}"
+            cpu = (f"{sf_row.cpu_median_s * 1e3:.0f} / {torch_row.cpu_median_s * 1e3:.0f} "
+                   f"({sf_row.cpu_median_s / torch_row.cpu_median_s:.3f})")
         diff = "—" if g["diff"] is None else f"{g['diff']:.1e}"
         lines.append(f"| {g['kind']} ({g['params'] / 1e6:.2f}M) | {PLANS[g['kind']]} "
-                     f"| {_ms(sf_row)} | {_ms(torch_row)} | {ratio} | {_mib(sf_row)} "
+                     f"| {_ms(sf_row)} | {_ms(torch_row)} | {ratio} | {cpu} | {_mib(sf_row)} "
                      f"| {_mib(torch_row)} | {torch_row.loss:.4f} | {diff} |")
     return "\n".join(lines)
 
