@@ -20,6 +20,12 @@ AdamW; the two are measured in one run, interleaved step by step. Models:
   ``Shard(1)``). A system whose setup raises NotImplementedError is shown as
   "n/a (not available)".
 
+shardfn is measured twice: its usual pure step (``torch.func.grad_and_value``
+over ``tp.apply``) and the same ``tp.apply`` with leaf tensors and
+``loss.backward()`` (torch.func's ``grad`` keeps more memory alive during the
+backward than autograd does, see docs/benchmarks.md). Both use the donated
+``sf.optim.adamw``.
+
 Fairness: before timing, each system's loss on the first batch must equal the
 unsplit model's (``assert_close``), otherwise its row fails. torch's
 ``ColwiseParallel`` cuts a fused ``[q|k|v]`` weight into contiguous rows, which
@@ -178,8 +184,12 @@ def mlp_plan() -> dict[str, str]:
     return {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
 
 
-def setup_shardfn(model: Model, sequence_parallel: bool) -> TPSystem:
-    """``sf.tensor_split`` + torch.func ``grad_and_value`` + donated ``sf.optim.adamw``."""
+def setup_shardfn(model: Model, sequence_parallel: bool, autograd: bool = False) -> TPSystem:
+    """``sf.tensor_split`` + torch.func ``grad_and_value`` + donated ``sf.optim.adamw``.
+
+    ``autograd``: the parameters are leaf tensors and the gradients come from
+    ``loss.backward()`` (the same ``tp.apply``), the rest unchanged.
+    """
     import shardfn as sf
     from shardfn.models import gpt_tp_plan
 
@@ -200,11 +210,23 @@ def setup_shardfn(model: Model, sequence_parallel: bool) -> TPSystem:
             return sf.vocab_parallel_cross_entropy(tp.apply(params, x), y, "tp", mesh=mesh)
 
     grad_and_value = torch.func.grad_and_value(loss_fn)
+    if autograd:
+        holder["params"] = {n: t.requires_grad_() for n, t in holder["params"].items()}
+
+    def gradients(params, x, y):
+        if not autograd:
+            return grad_and_value(params, x, y)[0]
+        for leaf in params.values():
+            leaf.grad = None
+        loss_fn(params, x, y).backward()
+        return {n: leaf.grad for n, leaf in params.items()}
 
     def step(i: int) -> None:
+        holder["grads"] = {}  # as torch's zero_grad(set_to_none=True): last step's are freed
         params = holder["params"]
-        grads, _ = grad_and_value(params, *model.batches[i])
-        updates, holder["opt"] = opt.update(grads, holder["opt"], params)
+        grads = gradients(params, *model.batches[i])
+        with torch.no_grad():
+            updates, holder["opt"] = opt.update(grads, holder["opt"], params)
         holder["params"] = sf.optim.apply_updates(params, updates, donate=True)
         holder["grads"] = grads  # donated into the updates: the same storage
 
@@ -217,7 +239,16 @@ def setup_shardfn(model: Model, sequence_parallel: bool) -> TPSystem:
                 "grads": list(holder["grads"].values()),
                 "opt_state": sf.pytree.tree_leaves(holder["opt"])}
 
-    return TPSystem(step, loss, state, lambda: tp.gather_params(holder["params"]))
+    def params() -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            return tp.gather_params(holder["params"])
+
+    return TPSystem(step, loss, state, params)
+
+
+def setup_shardfn_autograd(model: Model, sequence_parallel: bool) -> TPSystem:
+    """:func:`setup_shardfn` with ``loss.backward()`` instead of torch.func."""
+    return setup_shardfn(model, sequence_parallel, autograd=True)
 
 
 # ----------------------------------------------------------------------------- torch
@@ -431,7 +462,10 @@ class Row:
     error: str | None = None
 
 
-SETUPS = {"shardfn": setup_shardfn, "torch": setup_torch}
+#: the reference last: every other row is compared with it
+SETUPS = {"shardfn": setup_shardfn, "shardfn-autograd": setup_shardfn_autograd,
+          "torch": setup_torch}
+SHARDFN_STEPS = {"shardfn": "torch.func step", "shardfn-autograd": "autograd step"}
 
 
 def measure_group(kind: str, settings: Settings, warmup: int, steps: int,
@@ -479,10 +513,13 @@ def measure_group(kind: str, settings: Settings, warmup: int, steps: int,
         rows[name].peak_bytes = int(_max_over_ranks(peak))
         rows[name].state_bytes = {k: int(_max_over_ranks(storage_bytes(v)))
                                   for k, v in system.state().items()}
-    diff = None
-    if len(systems) == 2:
-        diff = _max_over_ranks(rel_diff(*(without_key_bias(systems[name].params())
-                                          for name in ("shardfn", "torch"))))
+    diff: dict[str, float | None] = dict.fromkeys(SHARDFN_STEPS)
+    if "torch" in systems:
+        reference = without_key_bias(systems["torch"].params())
+        for name in SHARDFN_STEPS:
+            if name in systems:
+                got = without_key_bias(systems[name].params())
+                diff[name] = _max_over_ranks(rel_diff(got, reference))
     params = sum(p.numel() for p in model.make_module().parameters())
     return {"kind": kind, "rows": rows, "diff": diff, "params": params}
 
@@ -523,16 +560,17 @@ def table(groups: list[dict]) -> str:
              "| shardfn MiB/rank: state (p+g+opt) / step peak | torch MiB/rank: same "
              "| first loss (both = unsplit) | max rel diff at the end |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for g in groups:
-        sf_row, torch_row = g["rows"]["shardfn"], g["rows"]["torch"]
+    for g, name in ((g, name) for g in groups for name in SHARDFN_STEPS):
+        sf_row, torch_row = g["rows"][name], g["rows"]["torch"]
         ratio, cpu = "—", "—"
         if sf_row.times_s and torch_row.times_s:
             value = statistics.median(sf_row.times_s) / statistics.median(torch_row.times_s)
             ratio = f"{value:.3f}"
             cpu = (f"{sf_row.cpu_median_s * 1e3:.0f} / {torch_row.cpu_median_s * 1e3:.0f} "
                    f"({sf_row.cpu_median_s / torch_row.cpu_median_s:.3f})")
-        diff = "—" if g["diff"] is None else f"{g['diff']:.1e}"
-        lines.append(f"| {g['kind']} ({g['params'] / 1e6:.2f}M) | {PLANS[g['kind']]} "
+        diff = "—" if g["diff"][name] is None else f"{g['diff'][name]:.1e}"
+        lines.append(f"| {g['kind']} ({g['params'] / 1e6:.2f}M) | {PLANS[g['kind']]}; "
+                     f"shardfn {SHARDFN_STEPS[name]} "
                      f"| {_ms(sf_row)} | {_ms(torch_row)} | {ratio} | {cpu} | {_mib(sf_row)} "
                      f"| {_mib(torch_row)} | {torch_row.loss:.4f} | {diff} |")
     return "\n".join(lines)
@@ -541,8 +579,8 @@ def table(groups: list[dict]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2, help="local CPU ranks (gloo) = tp size")
-    parser.add_argument("--steps", type=int, default=15, help="measured steps per system")
-    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps per system")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per system")
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps per system")
     parser.add_argument("--models", nargs="+", default=list(PLANS), choices=list(PLANS),
                         help="which models, in table order")
     parser.add_argument("--quick", action="store_true", help="tiny models and 1+3 steps")
