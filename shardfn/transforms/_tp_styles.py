@@ -219,7 +219,10 @@ class _Split(nn.Module):
         """Sum over the axis and keep this rank's sequence chunk (SP's replacement for g)."""
         dim = check_sequence(y, self.sequence_dim, self.mesh.size(self.axis), self.path,
                              self.axis)
-        return psum_scatter(y, self.axis, dim=dim, mesh=self.mesh)
+        # contiguous: psum_scatter along a dim other than 0 returns a permuted layout, and a
+        # dropout on it would draw its mask in memory order, not in index order (so the
+        # masks would depend on whether torch.func wraps the tensor)
+        return psum_scatter(y, self.axis, dim=dim, mesh=self.mesh).contiguous()
 
 
 class ColwiseLinear(_Split):
