@@ -249,7 +249,8 @@ class ColwiseLinear(_Split):
         # The gathered output is replicated: the transpose keeps this rank's slice of the
         # gradient (Megatron's split), not all_gather's psum_scatter (which would count
         # each rank's identical downstream once more).
-        gathered = all_gather(y.detach(), self.axis, dim=y.dim() - 1, mesh=self.mesh)
+        # contiguous: a random op after it draws in memory order (see _scatter_sequence)
+        gathered = all_gather(y.detach(), self.axis, dim=y.dim() - 1, mesh=self.mesh).contiguous()
         n_local, tp = y.shape[-1], self.mesh.size(self.axis)
         rank = axis_index(self.axis, mesh=self.mesh)
         own = F.pad(y - y.detach(), (rank * n_local, (tp - 1 - rank) * n_local))

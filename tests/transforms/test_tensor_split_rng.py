@@ -28,7 +28,7 @@ from torch.testing import assert_close
 import shardfn as sf
 from shardfn.models import GPT, GPTConfig, gpt_tp_plan
 from shardfn.transforms._tp_rng import rank_seed, rank_stream
-from shardfn.transforms.tensor_split import tensor_split
+from shardfn.transforms.tensor_split import Colwise, tensor_split
 
 
 class Mask(nn.Module):
@@ -192,3 +192,26 @@ def test_rank_stream_outside_apply_raises():
     with pytest.raises(RuntimeError, match="outside TensorSplitModel.apply"):
         with rank_stream(torch.device("cpu")):
             pass
+
+
+def _gathered_net():
+    torch.manual_seed(0)
+    return sf.functional(nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 4)))
+
+
+def _gathered_on_rank(n: int):
+    model = tensor_split(_gathered_net(), sf.Mesh({"tp": n}), "tp",
+                         {"0": Colwise(gather_output=True)})
+    torch.manual_seed(3)
+    return model.apply(model.init(0), X)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_dropout_after_a_gathered_colwise_output_is_the_unsplit_mask(worlds, n):
+    """The gathered output is replicated: its dropout mask is the unsplit model's, drawn in
+    index order (the gather's result is made contiguous, so its layout cannot change it)."""
+    fmodel = _gathered_net()
+    torch.manual_seed(3)
+    expected = fmodel.apply(fmodel.init(0), X)
+    for got in worlds(n).run(_gathered_on_rank, n):
+        assert_close(got, expected)
