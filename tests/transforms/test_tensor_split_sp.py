@@ -3,7 +3,7 @@
 * The reference GPT with ``gpt_tp_plan(sequence_parallel=...)``, both settings, on 2
   and 4 ranks, random widths, heads, vocabularies, sequence lengths and batches:
   the logits (vocab-gathered), the loss and every gradient equal the unsplit
-  model's under ``torch.func.grad_and_value``, ``torch.func.vjp`` and autograd. The
+  model's under ``torch.func.grad``, ``grad_and_value``, ``vjp`` and autograd. The
   gradients are compared *as each rank holds them* for replicated leaves: the
   LayerNorms, the position embedding and the rowwise biases run on sequence chunks
   in SP, so a missing sum over tp would leave each rank its chunk's part (caught).
@@ -54,6 +54,7 @@ def _gpt_on_rank(case: dict):
 
     logits = sf.all_gather(model.apply(params, tokens), "tp", dim=-1, mesh=mesh)
     grads, loss = torch.func.grad_and_value(loss_fn)(params)
+    plain_grads = torch.func.grad(loss_fn)(params)
     vjp_loss, vjp_fn = torch.func.vjp(loss_fn, params)
     (vjp_grads,) = vjp_fn(torch.ones_like(vjp_loss))
     leaves = {n: t.clone().requires_grad_(True) for n, t in params.items()}
@@ -63,6 +64,7 @@ def _gpt_on_rank(case: dict):
     return {"logits": logits, "loss": loss, "vjp_loss": vjp_loss,
             "full": model.gather_params(params),
             "grads": model.gather_params(grads), "vjp": model.gather_params(vjp_grads),
+            "grad": model.gather_params(plain_grads),
             "autograd": model.gather_params({n: t.grad for n, t in leaves.items()}),
             "local_replicated": {n: grads[n] for n in replicated}}
 
@@ -81,7 +83,7 @@ def _check_gpt(worlds, case: dict):
         assert_close(got["logits"], logits)
         assert_close(got["loss"], loss)
         assert_close(got["vjp_loss"], loss)
-        for how in ("grads", "vjp", "autograd"):
+        for how in ("grads", "grad", "vjp", "autograd"):
             assert_close(got[how], grads)  # the tied tok/head weight included
         assert {"ln_f.weight", "pos.weight", "blocks.0.mlp.fc2.bias"} <= set(
             got["local_replicated"])
