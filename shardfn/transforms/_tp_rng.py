@@ -11,16 +11,17 @@ The rule, for every ``TensorSplitModel.apply`` call:
 * **Split regions** (modules styled ``SplitRNG()`` or ``SequenceParallel()``:
   the attention probabilities of the local heads, dropout on a local sequence
   chunk) draw from this rank's stream. It is a ``torch.Generator`` seeded with
-  ``rank_seed(base, rank)``, where ``base`` is the next 62-bit draw of the global
-  CPU generator *peeked* when the first split-region module of the call runs
-  (the global state is put back), and ``rank`` is this rank's index on the tp
-  axis. Split-region modules consume that one stream in call order; they never
-  consume the global generator. So masks differ between ranks, and the same
-  global state before ``apply`` gives the same masks.
-* If a call ran a split-region module in training mode, the global CPU generator
-  is advanced by one draw when ``apply`` returns, so the next call gets a fresh
-  per-rank stream. A call without one consumes the global generator exactly as
-  the unsplit model.
+  ``rank_seed(base, rank)``, where ``base`` is a 64-bit hash (blake2b) of the
+  global CPU generator's state when the first split-region module of the call
+  runs (read, not drawn from: no random op, so it also runs under
+  ``torch.func.vmap``'s default ``randomness="error"``), and ``rank`` is this
+  rank's index on the tp axis. Split-region modules consume that one stream in
+  call order; they never consume the global generator. So masks differ between
+  ranks, and the same global state before ``apply`` gives the same masks.
+* If a split-region module drew random numbers in a call, the global CPU
+  generator is advanced by one draw when ``apply`` returns, so the next call gets
+  a fresh per-rank stream. A call in which none drew consumes the global
+  generator exactly as the unsplit model.
 
 Like Megatron's ``model-parallel-rng`` tracker (``get_cuda_rng_tracker().fork()``),
 the per-rank stream is swapped into the device's default generator around the
@@ -38,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import hashlib
 from collections.abc import Iterator
 
 import torch
@@ -70,13 +72,13 @@ class _CallStreams:
 
     rank: int
     base: int | None = None
+    drew: bool = False
     generators: dict[torch.device, torch.Generator] = dataclasses.field(default_factory=dict)
 
     def generator(self, device: torch.device) -> torch.Generator:
         if self.base is None:
-            state = torch.get_rng_state()
-            self.base = int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
-            torch.set_rng_state(state)
+            state = bytes(torch.default_generator.get_state().tolist())
+            self.base = int.from_bytes(hashlib.blake2b(state, digest_size=8).digest(), "little")
         if device not in self.generators:
             generator = torch.Generator(device)
             generator.manual_seed(rank_seed(self.base, self.rank))
@@ -92,7 +94,7 @@ _CURRENT: contextvars.ContextVar[_CallStreams | None] = contextvars.ContextVar(
 def call_streams(rank: int) -> Iterator[None]:
     """Scope of one ``apply`` call: split-region modules inside it use rank ``rank``'s stream.
 
-    On leaving, advances the global CPU generator by one draw if a stream was used.
+    On leaving, advances the global CPU generator by one draw if a stream was drawn from.
 
     Args:
         rank: this rank's index on the tensor-parallel axis.
@@ -103,7 +105,7 @@ def call_streams(rank: int) -> Iterator[None]:
         yield
     finally:
         _CURRENT.reset(token)
-        if streams.base is not None:
+        if streams.drew:
             torch.randint(0, 1 << 62, (), dtype=torch.int64)
 
 
@@ -131,10 +133,12 @@ def rank_stream(device: torch.device) -> Iterator[None]:
                            "ran outside TensorSplitModel.apply, which sets its RNG stream")
     mine = streams.generator(device)
     default = _default_generator(device)
-    saved = default.get_state()
-    default.set_state(mine.get_state())
+    saved, start = default.get_state(), mine.get_state()
+    default.set_state(start)
     try:
         yield
     finally:
-        mine.set_state(default.get_state())
+        now = default.get_state()
+        streams.drew = streams.drew or not torch.equal(now, start)
+        mine.set_state(now)
         default.set_state(saved)

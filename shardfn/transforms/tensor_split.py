@@ -229,9 +229,16 @@ class TensorSplitModel:
     def apply(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         """Run the model with this rank's shards; pure, under torch.func and autograd.
 
-        Every rank must pass the same (replicated) inputs; outputs of the model
-        are replicated unless the plan ends on a colwise layer without
-        ``gather_output`` (then they are this rank's slice).
+        Every rank must pass the same (replicated) inputs, except where a
+        sequence-parallel plan starts on sequence chunks (then each rank passes
+        its chunk); outputs of the model are replicated unless the plan ends on a
+        colwise layer without ``gather_output`` (then they are this rank's slice)
+        or in a sequence-parallel region (this rank's chunk).
+
+        Random ops (dropout) follow :mod:`shardfn.transforms._tp_rng`: replicated
+        regions use the global generator (enter with the same RNG state on every
+        rank), ``SplitRNG`` / ``SequenceParallel`` modules a per-rank stream
+        derived from it.
 
         Example:
             >>> loss = tp.apply(params, x).square().mean()

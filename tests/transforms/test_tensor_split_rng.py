@@ -215,3 +215,25 @@ def test_dropout_after_a_gathered_colwise_output_is_the_unsplit_mask(worlds, n):
     expected = fmodel.apply(fmodel.init(0), X)
     for got in worlds(n).run(_gathered_on_rank, n):
         assert_close(got, expected)
+
+
+def _no_dropout_on_rank(sp: bool):
+    fmodel, tokens, _ = _gpt(0.0, True)  # training mode, p = 0: no random op runs
+    model = tensor_split(fmodel, sf.Mesh({"tp": 2}), "tp", gpt_tp_plan(sequence_parallel=sp))
+    params = model.init(0)
+    torch.manual_seed(1)
+    before = torch.get_rng_state()
+    out = model.apply(params, tokens)
+    untouched = torch.equal(before, torch.get_rng_state())
+    batched = torch.func.vmap(lambda t: model.apply(params, t))(tokens.unsqueeze(1))
+    return untouched, out, batched.squeeze(1)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_split_regions_that_draw_nothing_leave_the_rng_alone(worlds, sp):
+    """The per-rank stream's seed is read from the generator's state, not drawn: with
+    dropout off, the global generator is untouched (as in the unsplit model) and vmap
+    (randomness="error") runs."""
+    for untouched, out, batched in worlds(2).run(_no_dropout_on_rank, sp):
+        assert untouched
+        assert_close(batched, out)
