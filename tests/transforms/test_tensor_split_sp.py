@@ -188,3 +188,12 @@ def test_sequence_parallel_errors_name_the_module_and_sizes(worlds):
         assert "'blocks.0.ln2.weight'" in ln2 and "SequenceParallel()" in ln2
         assert "'blocks.0.mlp.fc1'" in linear and "Linear" in linear
         assert "'blocks.0.ln1'" in split_rng and "parameters" in split_rng
+
+
+def test_sequence_parallel_refuses_buffers_and_unknown_parametrised_modules():
+    mesh = sf.Mesh({"tp": 1})
+    net = sf.functional(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Conv1d(4, 4, 1)))
+    with pytest.raises(ValueError, match=r"'1' \(BatchNorm1d\) has buffers"):
+        tensor_split(net, mesh, "tp", {"1": "sequence_parallel"})
+    with pytest.raises(ValueError, match=r"'2' \(Conv1d\) cannot run on a sequence chunk"):
+        tensor_split(net, mesh, "tp", {"2": "sequence_parallel"})
