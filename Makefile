@@ -22,6 +22,7 @@ test: lint
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/bench_dp.py
+	$(PY) benchmarks/bench_tp.py
 
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict -d site

@@ -6,6 +6,6 @@ Example:
     >>> model = models.GPT(config)
 """
 
-from shardfn.models.gpt import GPT, MLP, Attention, Block, GPTConfig, gpt_tp_plan
+from shardfn.models.gpt import GPT, MLP, Attention, AttentionCore, Block, GPTConfig, gpt_tp_plan
 
-__all__ = ["GPT", "MLP", "Attention", "Block", "GPTConfig", "gpt_tp_plan"]
+__all__ = ["GPT", "MLP", "Attention", "AttentionCore", "Block", "GPTConfig", "gpt_tp_plan"]

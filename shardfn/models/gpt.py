@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "MLP", "Attention", "Block", "GPTConfig", "gpt_tp_plan"]
+__all__ = ["GPT", "MLP", "Attention", "AttentionCore", "Block", "GPTConfig", "gpt_tp_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +84,21 @@ class GPTConfig:
         return self.d_model // self.n_heads
 
 
+class AttentionCore(nn.Module):
+    """Causal scaled-dot-product attention of ``q, k, v`` ``[..., heads, T, head_dim]``, with
+    dropout on the attention probabilities in training mode. No parameters: a module of its
+    own so that a tensor-parallel plan can give it the per-rank RNG stream
+    (``"split_rng"``: the heads are split, so their dropout masks must differ per rank)."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
+
+
 class Attention(nn.Module):
     """Causal self-attention with a fused ``qkv`` Linear(d, 3d) and an output ``proj`` Linear(d, d).
 
@@ -101,8 +116,8 @@ class Attention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
-        self.dropout = config.dropout
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.core = AttentionCore(config.dropout)
         self.proj = nn.Linear(config.d_model, config.d_model)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -112,12 +127,11 @@ class Attention(nn.Module):
             raise ValueError(f"Attention: qkv.weight has {rows} rows, not a multiple of "
                              f"3 * head_dim = {3 * self.head_dim} (whole heads of q, k, v)")
         local_heads = rows // (3 * self.head_dim)
-        batch = x.shape[:-1]  # [..., T]
-        qkv = self.qkv(x)
+        qkv = self.qkv(x)  # sequence parallel: the gathered sequence, [..., T, 3 d_local]
+        batch = qkv.shape[:-1]  # [..., T]
         q, k, v = (t.unflatten(-1, (local_heads, self.head_dim)).transpose(-3, -2)
                    for t in qkv.chunk(3, dim=-1))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = self.core(q, k, v)
         y = y.transpose(-3, -2).reshape(*batch, local_heads * self.head_dim)
         return self.resid_dropout(self.proj(y))
 
@@ -203,6 +217,8 @@ def gpt_tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
       rows, the partial embeddings are summed);
     * ``blocks.*.attn.qkv`` / ``blocks.*.mlp.fc1``: ``"colwise"`` (output features
       split; for qkv whole heads of q, k and v per rank, see :class:`Attention`);
+    * ``blocks.*.attn.core``: ``"split_rng"`` (the attention-probability dropout of
+      the local heads draws from this rank's stream);
     * ``blocks.*.attn.proj`` / ``blocks.*.mlp.fc2``: ``"rowwise"`` (input features
       split, output summed over the axis);
     * ``head``: ``"colwise"`` with the output left split: the logits stay
@@ -214,8 +230,18 @@ def gpt_tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
     LayerNorms, ``pos`` and biases of rowwise layers stay replicated.
 
     Args:
-        sequence_parallel: not defined yet: raises NotImplementedError (sequence
-            parallelism is a later slice of issue 11).
+        sequence_parallel: Megatron-SP. Between the split regions the activations
+            (embedding sum, dropout, LayerNorms, residual) are this rank's chunk of
+            the sequence: ``tok`` reduce-scatters its lookups along the sequence,
+            ``pos`` looks up only this rank's positions, ``qkv``/``fc1``/``head``
+            all-gather their input along the sequence, ``proj``/``fc2``
+            reduce-scatter their output; the LayerNorms, ``pos`` and the rowwise
+            biases are ``SequenceParallel`` (their gradients summed over the axis)
+            and the dropouts (``drop``, ``resid_dropout``, ``mlp.dropout``) draw from
+            the per-rank stream. The sequence length must divide by the axis size.
+            The styles are named: ``"colwise_sp"`` is ``Colwise(sequence_parallel=True)``,
+            likewise ``"rowwise_sp"``, ``"vocab_sp"``; ``"sequence_parallel"`` is
+            ``SequenceParallel()``.
 
     Returns:
         A new dict ``{pattern: style}``.
@@ -224,15 +250,33 @@ def gpt_tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
         >>> gpt_tp_plan()["blocks.*.attn.qkv"]
         'colwise'
     """
-    if sequence_parallel:
-        raise NotImplementedError(
-            "gpt_tp_plan(sequence_parallel=True): sequence parallelism (Megatron-SP) is not "
-            "implemented yet; use sequence_parallel=False")
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"gpt_tp_plan: sequence_parallel must be a bool, "
+                        f"got {sequence_parallel!r}")
+    if not sequence_parallel:
+        return {
+            "tok": "vocab",
+            "blocks.*.attn.qkv": "colwise",
+            "blocks.*.attn.core": "split_rng",
+            "blocks.*.attn.proj": "rowwise",
+            "blocks.*.mlp.fc1": "colwise",
+            "blocks.*.mlp.fc2": "rowwise",
+            "head": "colwise",
+        }
+    chunks = "sequence_parallel"  # names, not style objects: models sit below transforms
     return {
-        "tok": "vocab",
-        "blocks.*.attn.qkv": "colwise",
-        "blocks.*.attn.proj": "rowwise",
-        "blocks.*.mlp.fc1": "colwise",
-        "blocks.*.mlp.fc2": "rowwise",
-        "head": "colwise",
+        "tok": "vocab_sp",
+        "pos": chunks,
+        "drop": chunks,
+        "blocks.*.ln1": chunks,
+        "blocks.*.attn.qkv": "colwise_sp",
+        "blocks.*.attn.core": "split_rng",
+        "blocks.*.attn.proj": "rowwise_sp",
+        "blocks.*.attn.resid_dropout": chunks,
+        "blocks.*.ln2": chunks,
+        "blocks.*.mlp.fc1": "colwise_sp",
+        "blocks.*.mlp.fc2": "rowwise_sp",
+        "blocks.*.mlp.dropout": chunks,
+        "ln_f": chunks,
+        "head": "colwise_sp",
     }

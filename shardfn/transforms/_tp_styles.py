@@ -14,9 +14,17 @@ The rules are JAX's for a tensor-parallel region (Megatron's ``f``/``g`` pair):
   (psum forward, identity backward: ``g``), so the replicated computation after
   it (LayerNorm, residual, loss) is counted once, not once per rank.
 
+With ``sequence_parallel=True`` (Megatron-SP, see :mod:`._tp_sequence`) the
+activations between the regions are this rank's sequence chunk instead: a
+colwise layer all-gathers its input along the sequence (``sf.all_gather``,
+backward reduce-scatter: it replaces ``f``), a rowwise layer or vocab embedding
+reduce-scatters its output along the sequence (``sf.psum_scatter``, backward
+all-gather: it replaces ``g``), and the rowwise bias, added to a chunk, enters
+through ``sf.pvary`` (its gradient is summed over the axis).
+
 Example:
     >>> Colwise(gather_output=True)
-    Colwise(gather_output=True, fused=1, n_heads=None)
+    Colwise(gather_output=True, fused=1, n_heads=None, sequence_parallel=False, sequence_dim=-2)
 """
 
 from __future__ import annotations
@@ -29,10 +37,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardfn.mesh import Mesh
-from shardfn.primitives import all_gather, axis_index, psum_invariant, pvary
+from shardfn.primitives import all_gather, axis_index, psum_invariant, psum_scatter, pvary
 from shardfn.spec import P
+from shardfn.transforms._tp_sequence import (
+    SequenceParallel,
+    SplitRNG,
+    check_sequence,
+    wrap_sequence,
+)
 
-__all__ = ["Colwise", "Replicate", "Rowwise", "Style", "Vocab", "as_style"]
+__all__ = ["Colwise", "Replicate", "Rowwise", "SequenceParallel", "SplitRNG", "Style", "Vocab",
+           "as_style"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +61,16 @@ class Colwise:
             ``[q|k|v]`` projection); each part is split separately, so rank ``r``
             holds ``q[r] | k[r] | v[r]``.
         n_heads: heads per part; checked to divide by the axis size (whole heads per rank).
+        sequence_parallel: the input is this rank's sequence chunk; it is all-gathered
+            along ``sequence_dim`` (backward: reduce-scatter) instead of entering via pvary.
+        sequence_dim: the sequence dim of the activations (default ``-2``: ``[..., T, d]``).
     """
 
     gather_output: bool = False
     fused: int = 1
     n_heads: int | None = None
+    sequence_parallel: bool = False
+    sequence_dim: int = -2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +80,15 @@ class Rowwise:
     The input is this rank's feature slice (what a ``Colwise`` before it gives);
     the partial products are summed with ``psum_invariant`` and the (replicated)
     bias is added once, after the sum.
+
+    Attributes:
+        sequence_parallel: reduce-scatter the partial products along ``sequence_dim``
+            (backward: all-gather) instead of psum; the bias enters through ``sf.pvary``.
+        sequence_dim: the sequence dim of the activations (default ``-2``).
     """
+
+    sequence_parallel: bool = False
+    sequence_dim: int = -2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +97,15 @@ class Vocab:
 
     Each rank looks up only the ids in its range (the others give zeros), and
     ``psum_invariant`` sums the lookups: the output is replicated.
+
+    Attributes:
+        sequence_parallel: reduce-scatter the lookups along ``sequence_dim`` of the
+            output (backward: all-gather): the output is this rank's sequence chunk.
+        sequence_dim: the sequence dim of the output (default ``-2``: ``[..., T, d]``).
     """
+
+    sequence_parallel: bool = False
+    sequence_dim: int = -2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,18 +113,28 @@ class Replicate:
     """Leave the module whole on every rank (no communication)."""
 
 
-Style = Colwise | Rowwise | Vocab | Replicate
-_BY_NAME = {"colwise": Colwise, "rowwise": Rowwise, "vocab": Vocab, "replicate": Replicate}
+Style = Colwise | Rowwise | Vocab | Replicate | SequenceParallel | SplitRNG
+_BY_NAME = {"colwise": Colwise, "rowwise": Rowwise, "vocab": Vocab, "replicate": Replicate,
+            "sequence_parallel": SequenceParallel, "split_rng": SplitRNG,
+            "colwise_sp": lambda: Colwise(sequence_parallel=True),
+            "rowwise_sp": lambda: Rowwise(sequence_parallel=True),
+            "vocab_sp": lambda: Vocab(sequence_parallel=True)}
 
 
 def as_style(style: object, pattern: str) -> Style:
-    """A style object from a plan value (a name such as ``"colwise"`` or a style object)."""
-    if isinstance(style, Colwise | Rowwise | Vocab | Replicate):
+    """A style object from a plan value (a name such as ``"colwise"`` or a style object).
+
+    ``"colwise_sp"`` / ``"rowwise_sp"`` / ``"vocab_sp"`` name the sequence-parallel
+    forms (``Colwise(sequence_parallel=True)``, ...), ``"sequence_parallel"`` is
+    ``SequenceParallel()`` and ``"split_rng"`` is ``SplitRNG()``.
+    """
+    if isinstance(style, Colwise | Rowwise | Vocab | Replicate | SequenceParallel | SplitRNG):
         return style
     if isinstance(style, str) and style in _BY_NAME:
         return _BY_NAME[style]()
     raise ValueError(f"tensor_split: plan[{pattern!r}] = {style!r} is not a style; use one of "
-                     f"{sorted(_BY_NAME)} or Colwise(...)/Rowwise()/Vocab()/Replicate()")
+                     f"{sorted(_BY_NAME)} or Colwise(...)/Rowwise()/Vocab()/Replicate()/"
+                     "SequenceParallel()/SplitRNG()")
 
 
 # ---------------------------------------------------------------- checks and specs
@@ -108,7 +154,7 @@ def _divides(path: str, what: str, size: int, parts: int, why: str) -> None:
 
 def leaf_specs(module: nn.Module, path: str, style: Style, axis: str, tp: int) -> dict[str, P]:
     """``{leaf name inside the module: spec}`` for a matched module, after checking it fits."""
-    if isinstance(style, Replicate):
+    if isinstance(style, Replicate | SequenceParallel | SplitRNG):
         return {}
     if isinstance(style, Vocab):
         _need(module, nn.Embedding, path, style)
@@ -156,32 +202,55 @@ def fused_full(gathered: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
 class _Split(nn.Module):
     """Holds the wrapped module's own parameter objects under their own names."""
 
-    def __init__(self, inner: nn.Module, mesh: Mesh, axis: str):
+    def __init__(self, inner: nn.Module, mesh: Mesh, axis: str, path: str = "",
+                 sequence_dim: int | None = None):
         super().__init__()
         self.weight = inner.weight
         if hasattr(inner, "bias"):
             self.bias = inner.bias
         self.mesh, self.axis, self.inner_type = mesh, axis, type(inner).__name__
+        self.path, self.sequence_dim = path, sequence_dim  # sequence_dim None: not SP
 
     def extra_repr(self) -> str:
-        return f"{self.inner_type}, axis={self.axis!r}"
+        sp = "" if self.sequence_dim is None else f", sequence_dim={self.sequence_dim}"
+        return f"{self.inner_type}, axis={self.axis!r}{sp}"
+
+    def _scatter_sequence(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum over the axis and keep this rank's sequence chunk (SP's replacement for g)."""
+        dim = check_sequence(y, self.sequence_dim, self.mesh.size(self.axis), self.path,
+                             self.axis)
+        # contiguous: psum_scatter along a dim other than 0 returns a permuted layout, and a
+        # dropout on it would draw its mask in memory order, not in index order (so the
+        # masks would depend on whether torch.func wraps the tensor)
+        return psum_scatter(y, self.axis, dim=dim, mesh=self.mesh).contiguous()
 
 
 class ColwiseLinear(_Split):
-    """``y_local = pvary(x) @ W_local.T + b_local``; optionally gathered along the last dim."""
+    """``y_local = pvary(x) @ W_local.T + b_local``; optionally gathered along the last dim.
 
-    def __init__(self, inner: nn.Linear, mesh: Mesh, axis: str, gather_output: bool):
-        super().__init__(inner, mesh, axis)
+    Sequence parallel: ``x`` is this rank's sequence chunk, all-gathered along the
+    sequence first (backward: reduce-scatter, which also does ``f``'s sum).
+    """
+
+    def __init__(self, inner: nn.Linear, mesh: Mesh, axis: str, gather_output: bool,
+                 path: str = "", sequence_dim: int | None = None):
+        super().__init__(inner, mesh, axis, path, sequence_dim)
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(pvary(x, self.axis, mesh=self.mesh), self.weight, self.bias)
+        if self.sequence_dim is None:
+            x = pvary(x, self.axis, mesh=self.mesh)
+        else:  # the chunk needs no divisibility check (1): any length gathers
+            dim = check_sequence(x, self.sequence_dim, 1, self.path, self.axis)
+            x = all_gather(x, self.axis, dim=dim, mesh=self.mesh)
+        y = F.linear(x, self.weight, self.bias)
         if not self.gather_output:
             return y
         # The gathered output is replicated: the transpose keeps this rank's slice of the
         # gradient (Megatron's split), not all_gather's psum_scatter (which would count
         # each rank's identical downstream once more).
-        gathered = all_gather(y.detach(), self.axis, dim=y.dim() - 1, mesh=self.mesh)
+        # contiguous: a random op after it draws in memory order (see _scatter_sequence)
+        gathered = all_gather(y.detach(), self.axis, dim=y.dim() - 1, mesh=self.mesh).contiguous()
         n_local, tp = y.shape[-1], self.mesh.size(self.axis)
         rank = axis_index(self.axis, mesh=self.mesh)
         own = F.pad(y - y.detach(), (rank * n_local, (tp - 1 - rank) * n_local))
@@ -189,18 +258,27 @@ class ColwiseLinear(_Split):
 
 
 class RowwiseLinear(_Split):
-    """``y = psum_invariant(x_local @ W_local.T) + b``: the bias is added once, after the sum."""
+    """``y = psum_invariant(x_local @ W_local.T) + b``: the bias is added once, after the sum.
+
+    Sequence parallel: ``y = psum_scatter(x_local @ W_local.T, seq) + pvary(b)``.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = psum_invariant(F.linear(x, self.weight), self.axis, mesh=self.mesh)
-        return y if self.bias is None else y + self.bias
+        partial = F.linear(x, self.weight)
+        if self.sequence_dim is None:
+            y = psum_invariant(partial, self.axis, mesh=self.mesh)
+            return y if self.bias is None else y + self.bias
+        y = self._scatter_sequence(partial)
+        return y if self.bias is None else y + pvary(self.bias, self.axis, mesh=self.mesh)
 
 
 class VocabEmbedding(_Split):
-    """Look up the ids in this rank's vocabulary range (zeros elsewhere), then psum_invariant."""
+    """Look up the ids in this rank's vocabulary range (zeros elsewhere), then psum_invariant
+    (sequence parallel: psum_scatter along the sequence)."""
 
-    def __init__(self, inner: nn.Embedding, mesh: Mesh, axis: str):
-        super().__init__(inner, mesh, axis)
+    def __init__(self, inner: nn.Embedding, mesh: Mesh, axis: str, path: str = "",
+                 sequence_dim: int | None = None):
+        super().__init__(inner, mesh, axis, path, sequence_dim)
         self.scale_grad_by_freq = inner.scale_grad_by_freq
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -210,15 +288,20 @@ class VocabEmbedding(_Split):
         local_ids = torch.where(mine, ids - start, torch.zeros_like(ids))
         looked_up = F.embedding(local_ids, self.weight, scale_grad_by_freq=self.scale_grad_by_freq)
         looked_up = looked_up * mine.unsqueeze(-1).to(looked_up.dtype)
+        if self.sequence_dim is not None:
+            return self._scatter_sequence(looked_up)
         return psum_invariant(looked_up, self.axis, mesh=self.mesh)
 
 
-def wrap(module: nn.Module, style: Style, mesh: Mesh, axis: str) -> nn.Module:
+def wrap(module: nn.Module, style: Style, mesh: Mesh, axis: str, path: str = "") -> nn.Module:
     """The module that runs ``module`` under ``style`` (``module`` itself for Replicate)."""
+    if isinstance(style, SequenceParallel | SplitRNG):
+        return wrap_sequence(module, style, mesh, axis, path)
+    if isinstance(style, Replicate):
+        return module
+    sequence_dim = style.sequence_dim if style.sequence_parallel else None
     if isinstance(style, Colwise):
-        return ColwiseLinear(module, mesh, axis, style.gather_output)
+        return ColwiseLinear(module, mesh, axis, style.gather_output, path, sequence_dim)
     if isinstance(style, Rowwise):
-        return RowwiseLinear(module, mesh, axis)
-    if isinstance(style, Vocab):
-        return VocabEmbedding(module, mesh, axis)
-    return module
+        return RowwiseLinear(module, mesh, axis, path, sequence_dim)
+    return VocabEmbedding(module, mesh, axis, path, sequence_dim)

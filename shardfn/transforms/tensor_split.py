@@ -27,6 +27,17 @@ Cost per step, per split MLP block (colwise then rowwise) on activations of
 ``B`` bytes over ``tp`` ranks: one psum (``2 B (tp-1)/tp`` sent) forward (the
 rowwise output) and one backward (the colwise input's gradient).
 
+Sequence parallel (Megatron-SP; ``Colwise/Rowwise/Vocab(sequence_parallel=True)``
+and ``SequenceParallel()`` on the LayerNorms, position embedding and dropouts
+between them, :mod:`shardfn.transforms._tp_sequence`): the activations between
+the split regions are this rank's sequence chunk; the psums become an
+all-gather into each colwise layer and a reduce-scatter out of each rowwise
+layer (the reverse in backward), ``B (tp-1)/tp`` each.
+
+Dropout RNG (:mod:`shardfn.transforms._tp_rng`): replicated regions draw from the
+global generator (equal on every rank entered with the same RNG state);
+``SplitRNG()`` / ``SequenceParallel()`` modules draw from a per-rank stream.
+
 Example:
     >>> mlp = sf.functional(nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)))
     >>> tp = sf.tensor_split(mlp, mesh, "tp", {"0": "colwise", "2": "rowwise"})
@@ -48,10 +59,13 @@ from shardfn.functional import FunctionalModel
 from shardfn.mesh import Mesh, get_mesh
 from shardfn.primitives import all_gather
 from shardfn.spec import Layout, P, gather, local_shape
+from shardfn.transforms._tp_rng import call_streams
 from shardfn.transforms._tp_styles import (
     Colwise,
     Replicate,
     Rowwise,
+    SequenceParallel,
+    SplitRNG,
     Style,
     Vocab,
     as_style,
@@ -66,6 +80,8 @@ __all__ = [
     "FusedLayout",
     "Replicate",
     "Rowwise",
+    "SequenceParallel",
+    "SplitRNG",
     "Style",
     "TensorSplitModel",
     "Vocab",
@@ -213,9 +229,16 @@ class TensorSplitModel:
     def apply(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         """Run the model with this rank's shards; pure, under torch.func and autograd.
 
-        Every rank must pass the same (replicated) inputs; outputs of the model
-        are replicated unless the plan ends on a colwise layer without
-        ``gather_output`` (then they are this rank's slice).
+        Every rank must pass the same (replicated) inputs, except where a
+        sequence-parallel plan starts on sequence chunks (then each rank passes
+        its chunk); outputs of the model are replicated unless the plan ends on a
+        colwise layer without ``gather_output`` (then they are this rank's slice)
+        or in a sequence-parallel region (this rank's chunk).
+
+        Random ops (dropout) follow :mod:`shardfn.transforms._tp_rng`: replicated
+        regions use the global generator (enter with the same RNG state on every
+        rank), ``SplitRNG`` / ``SequenceParallel`` modules a per-rank stream
+        derived from it.
 
         Example:
             >>> loss = tp.apply(params, x).square().mean()
@@ -224,8 +247,9 @@ class TensorSplitModel:
         call_params = dict(params)
         for name in self.fmodel.buffer_names:
             call_params[name] = call_params[name].clone()
-        return torch.func.functional_call(self.module, call_params, args, kwargs,
-                                          tie_weights=True, strict=True)
+        with call_streams(self.mesh.index(self.axis)):
+            return torch.func.functional_call(self.module, call_params, args, kwargs,
+                                              tie_weights=True, strict=True)
 
     # ---------------------------------------------------------------- helpers
 
@@ -263,14 +287,16 @@ def _match(plan: Mapping[str, object], paths: list[str]) -> dict[str, Style]:
 def _detect_fused(style: Style, path: str, skeleton: nn.Module) -> Style:
     """A plain ``Colwise()`` on a module named ``qkv`` is a fused ``[q|k|v]``: ``fused=3``, with
     ``n_heads`` from the parent's ``head_dim`` when it has one (as ``shardfn.models.GPT``)."""
-    if style != Colwise() or path.rpartition(".")[2] != "qkv":
+    plain = dataclasses.replace(style, sequence_parallel=False, sequence_dim=-2) \
+        if isinstance(style, Colwise) else style
+    if plain != Colwise() or path.rpartition(".")[2] != "qkv":
         return style
     parent = skeleton.get_submodule(path.rpartition(".")[0])
     head_dim = getattr(parent, "head_dim", None)
     rows = skeleton.get_submodule(path).out_features
     if isinstance(head_dim, int) and head_dim > 0 and rows % (3 * head_dim) == 0:
-        return Colwise(fused=3, n_heads=rows // (3 * head_dim))
-    return Colwise(fused=3)
+        return dataclasses.replace(style, fused=3, n_heads=rows // (3 * head_dim))
+    return dataclasses.replace(style, fused=3)
 
 
 def _check_tied(alias: str, owner_name: str, split: dict, axis: str) -> None:
@@ -290,6 +316,31 @@ def _check_tied(alias: str, owner_name: str, split: dict, axis: str) -> None:
                          "module that uses them (e.g. 'vocab' embedding + 'colwise' head)")
 
 
+def _is_sp(style: Style) -> bool:
+    return isinstance(style, SequenceParallel) or getattr(style, "sequence_parallel", False)
+
+
+def _check_sequence_parallel(fmodel: FunctionalModel, styles: Mapping[str, Style],
+                             split: Mapping[str, tuple]) -> None:
+    """With sequence parallelism, a replicated trainable leaf must be in a module that says how
+    it is used: ``SequenceParallel`` (on chunks: its gradient is summed over the axis), a
+    sequence-parallel ``Rowwise`` (its bias), or an explicit ``Replicate`` (on replicated
+    activations). Otherwise its gradient would silently be this rank's chunk's part."""
+    if not any(_is_sp(style) for style in styles.values()):
+        return
+    for name in fmodel.trainable_names:
+        path = name.rpartition(".")[0]
+        style = styles.get(path)
+        if name in split or isinstance(style, SequenceParallel | Replicate) or (
+                isinstance(style, Rowwise) and style.sequence_parallel):
+            continue
+        raise ValueError(
+            f"tensor_split: the plan is sequence parallel, but the replicated leaf {name!r} "
+            f"(module {path!r}: {style or 'not in the plan'}) has no sequence-parallel style; "
+            "if it runs on sequence chunks its gradient would be only this rank's part: give "
+            f"{path!r} SequenceParallel(), or Replicate() if it runs on replicated activations")
+
+
 def tensor_split(fmodel: FunctionalModel, mesh: Mesh | None = None, axis: str = "tp",
                  plan: Mapping[str, object] | None = None) -> TensorSplitModel:
     """Split the layers named by ``plan`` over mesh axis ``axis`` (Megatron tensor parallelism).
@@ -299,8 +350,13 @@ def tensor_split(fmodel: FunctionalModel, mesh: Mesh | None = None, axis: str = 
         mesh: the mesh (default: the current one); ``axis`` must be one of its axes.
         axis: the tensor-parallel axis.
         plan: ``{fnmatch glob over module paths: style}``; a style is ``"colwise"``,
-            ``"rowwise"``, ``"vocab"``, ``"replicate"`` or ``Colwise(gather_output=...,
-            fused=..., n_heads=...)``, ``Rowwise()``, ``Vocab()``, ``Replicate()``.
+            ``"rowwise"``, ``"vocab"``, ``"replicate"``, ``"sequence_parallel"``,
+            ``"split_rng"`` or ``Colwise(gather_output=..., fused=..., n_heads=...,
+            sequence_parallel=...)``, ``Rowwise(sequence_parallel=...)``,
+            ``Vocab(sequence_parallel=...)``, ``Replicate()``, ``SequenceParallel()``
+            (LayerNorm / RMSNorm / position embedding / dropout on sequence chunks),
+            ``SplitRNG()`` (a parameter-free module on split activations: its random
+            ops use this rank's stream; see :mod:`shardfn.transforms._tp_rng`).
 
     Returns:
         The :class:`TensorSplitModel`.
@@ -309,14 +365,20 @@ def tensor_split(fmodel: FunctionalModel, mesh: Mesh | None = None, axis: str = 
         ValueError: a pattern that matches no module (the paths are listed), a
             module matched twice, a style on a module it cannot split (named), a
             dimension not divisible by the axis size (module, dim and sizes), a
-            split leaf that is tied to another name, an unknown axis.
+            split leaf that is tied to another name, an unknown axis; with sequence
+            parallelism, a replicated trainable leaf whose module has no
+            sequence-parallel (or explicit ``Replicate``) style. At apply, a sequence
+            not divisible by the axis size (module, dim and sizes).
         TypeError: ``fmodel`` is not a FunctionalModel.
 
     Communication per call (activations of ``B`` bytes, ``tp`` ranks): each
     rowwise layer and vocab embedding does one psum (``2 B (tp-1)/tp``) in
     forward; each colwise layer's input does one psum in backward; a
-    ``gather_output`` colwise layer one all-gather in forward. Memory: split
-    leaves take ``1/tp`` of their bytes per rank.
+    ``gather_output`` colwise layer one all-gather in forward. Sequence parallel:
+    each of those psums becomes an all-gather (colwise input, ``B (tp-1)/tp``) or a
+    reduce-scatter (rowwise / vocab output, ``B (tp-1)/tp``), and in backward the
+    reverse, plus one psum per replicated leaf used on sequence chunks (its
+    gradient). Memory: split leaves take ``1/tp`` of their bytes per rank.
 
     Example:
         >>> tp = sf.tensor_split(fmodel, mesh, "tp", {"blocks.*.mlp.fc1": "colwise",
@@ -341,9 +403,11 @@ def tensor_split(fmodel: FunctionalModel, mesh: Mesh | None = None, axis: str = 
             if getattr(module, leaf, None) is not None:
                 split[f"{path}.{leaf}"] = (spec, path, style)
         parent_path, _, child = path.rpartition(".")
-        setattr(skeleton.get_submodule(parent_path), child, wrap(module, style, mesh, axis))
+        setattr(skeleton.get_submodule(parent_path), child,
+                wrap(module, style, mesh, axis, path))
     for alias, owner_name in fmodel.tied.items():
         _check_tied(alias, owner_name, split, axis)
+    _check_sequence_parallel(fmodel, styles, split)
     specs: dict[str, Layout | FusedLayout] = {}
     for name, shape in fmodel.param_shapes().items():
         spec, _, style = split.get(name, (P(), "", Replicate()))

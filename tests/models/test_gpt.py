@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import shardfn as sf
-from shardfn.models import GPT, MLP, Attention, Block, GPTConfig, gpt_tp_plan
+from shardfn.models import GPT, MLP, Attention, AttentionCore, Block, GPTConfig, gpt_tp_plan
 
 SMALL = GPTConfig(vocab_size=13, d_model=12, n_layers=2, n_heads=3, seq_len=6)
 
@@ -191,16 +191,28 @@ def test_attention_refuses_partial_heads():
 def test_tp_plan_matches_the_model():
     plan = gpt_tp_plan()
     assert plan == {"tok": "vocab", "blocks.*.attn.qkv": "colwise",
+                    "blocks.*.attn.core": "split_rng",
                     "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.fc1": "colwise",
                     "blocks.*.mlp.fc2": "rowwise", "head": "colwise"}
+    sp = gpt_tp_plan(sequence_parallel=True)
+    assert set(sp) == set(plan) | {"pos", "drop", "blocks.*.ln1", "blocks.*.ln2", "ln_f",
+                                   "blocks.*.attn.resid_dropout", "blocks.*.mlp.dropout"}
     modules = dict(GPT(SMALL).named_modules())
-    kinds = {"vocab": torch.nn.Embedding, "colwise": torch.nn.Linear, "rowwise": torch.nn.Linear}
-    for pattern, style in plan.items():
+    kinds = {"vocab": torch.nn.Embedding, "colwise": torch.nn.Linear, "rowwise": torch.nn.Linear,
+             "split_rng": AttentionCore,
+             "sequence_parallel": (torch.nn.LayerNorm, torch.nn.Embedding, torch.nn.Dropout)}
+    for pattern, style in [*plan.items(), *sp.items()]:
         matched = [m for path, m in modules.items() if fnmatch.fnmatchcase(path, pattern)]
         assert matched, pattern
-        assert all(isinstance(m, kinds[style]) for m in matched), pattern
+        assert all(isinstance(m, kinds[style.removesuffix("_sp")]) for m in matched), pattern
+    # every replicated leaf of the model is in a sequence-parallel module
+    covered = [p for p in sp if sp[p] in ("sequence_parallel", "rowwise_sp")]
+    for name, _ in GPT(SMALL).named_parameters():
+        module = name.rpartition(".")[0]
+        split = any(fnmatch.fnmatchcase(module, p) for p in sp if sp[p] != "sequence_parallel")
+        assert split or any(fnmatch.fnmatchcase(module, p) for p in covered), name
     assert isinstance(modules["blocks.1"], Block)
     plan["tok"] = "replicate"
     assert gpt_tp_plan()["tok"] == "vocab"  # a fresh dict each call
-    with pytest.raises(NotImplementedError, match="sequence parallelism"):
-        gpt_tp_plan(sequence_parallel=True)
+    with pytest.raises(TypeError, match="sequence_parallel must be a bool"):
+        gpt_tp_plan(sequence_parallel="yes")
