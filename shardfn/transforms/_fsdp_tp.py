@@ -42,6 +42,7 @@ from shardfn.functional import FunctionalModel
 from shardfn.mesh import Mesh
 from shardfn.primitives import all_gather
 from shardfn.spec import Layout, gather, spec_axes
+from shardfn.transforms._tp_rng import call_streams
 from shardfn.transforms._tp_styles import fused_full, fused_local
 from shardfn.transforms.tensor_split import FusedLayout, TensorSplitModel
 
@@ -291,12 +292,13 @@ class FsdpTpModel:
         Example:
             >>> local_logits = model.apply(shards, tokens)
         """
-        return self.sharded.apply(shards, *args, mutable=mutable, **kwargs)
+        with call_streams(self.tp.mesh.index(self.tp.axis)):  # split-region dropout streams
+            return self.sharded.apply(shards, *args, mutable=mutable, **kwargs)
 
     def apply_with_buffers(self, shards: Mapping[str, torch.Tensor], *args: Any,
                            **kwargs: Any) -> tuple[Any, Params]:
         """``apply(shards, *args, mutable=True, **kwargs)``."""
-        return self.sharded.apply(shards, *args, mutable=True, **kwargs)
+        return self.apply(shards, *args, mutable=True, **kwargs)
 
     def check(self, shards: Mapping[str, torch.Tensor]) -> None:
         """Raise naming the leaf unless ``shards`` has this rank's (tp, dp) shard shapes."""

@@ -103,6 +103,11 @@ class FusedLayout:
     parts: int
     shape: tuple[int, ...]
 
+    @property
+    def sharded_axes(self) -> tuple[str, ...]:
+        """The mesh axes the leaf is split over (as ``FsdpTpLayout.sharded_axes``)."""
+        return (self.axis,)
+
     def _refuse(self) -> TypeError:
         return TypeError(f"{self} describes a fused leaf (rank r holds block r of each of its "
                          f"{self.parts} parts), which sf.gather/sf.shard cannot express: use "
