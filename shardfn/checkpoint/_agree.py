@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from shardfn.checkpoint import errors
 from shardfn.checkpoint.errors import CheckpointError
@@ -40,7 +41,7 @@ def local() -> Iterator[Outcome]:
     outcome = Outcome()
     try:
         yield outcome
-    except Exception as err:  # noqa: BLE001 - handed to every rank by agree()
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - given to every rank
         outcome.error = err
         outcome.trace = traceback.format_exc(limit=4)
 
@@ -51,6 +52,8 @@ def agree(group, outcome: Outcome, what: str) -> list[Any]:
     A single process re-raises its own error unchanged.
     """
     if group is None:
+        if isinstance(outcome.error, CheckpointException):  # a BaseException: wrap it
+            raise CheckpointError(f"{what} failed: {outcome.error}") from outcome.error
         if outcome.error is not None:
             raise outcome.error
         return [outcome.payload]
