@@ -154,3 +154,64 @@ def test_plain_dcp_reads_the_full_tensors(worlds, tmp_path):
     dcp.load(into, checkpoint_id=zero3, no_dist=True)
     for k in full:
         assert torch.equal(into[f"opt.nu.{k}"], inner.nu[k])
+
+
+def _gpt():
+    from shardfn.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return sf.functional(GPT(GPTConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=2,
+                                       seq_len=8, dropout=0.0)))
+
+
+def _tp_state(zero: bool):
+    """Tensor parallel over 2 ranks (fused qkv, vocab-split embedding), AdamW over the local
+    shards; returns the state, layouts and the full params and moments it holds."""
+    from shardfn.models import gpt_tp_plan
+
+    tp = sf.tensor_split(_gpt(), sf.Mesh({"tp": 2}), "tp", gpt_tp_plan())
+    params = tp.init(0)
+    if zero:
+        params = {k: torch.zeros_like(v) for k, v in params.items()}
+    opt = sf.optim.adamw(1e-2)
+    state = opt.init(params)
+    state = state._replace(mu={k: 2 * v + 1 for k, v in params.items()}, count=torch.tensor(4))
+    return ({"params": params, "opt": state}, {"params": tp, "opt": opt},
+            (tp.gather_params(params), tp.gather_params(state.mu)))
+
+
+def _tp_save(path):
+    state, layouts, full = _tp_state(zero=False)
+    ck.save(path, state, sf.Mesh({"tp": 2}), layouts)
+    return full
+
+
+def _tp_load(path):
+    like, layouts, _ = _tp_state(zero=True)
+    out = ck.load(path, like, sf.Mesh({"tp": 2}), layouts)
+    tp = layouts["params"]
+    return tp.gather_params(out["params"]), tp.gather_params(out["opt"].mu)
+
+
+def test_tensor_split_to_one_process_and_back(worlds, tmp_path):
+    path = str(tmp_path / "tp")
+    full_params, full_mu = worlds(2).run(_tp_save, path)[0]
+    assert any(isinstance(s, sf.FusedLayout) for s in
+               _tp_layout_kinds())  # the case covers a fused leaf
+    like_params = {k: torch.zeros_like(v) for k, v in full_params.items()}
+    like = {"params": like_params, "opt": sf.optim.adamw(1e-2).init(like_params)}
+    out = ck.load(path, like)  # one process, plain full tensors
+    torch.testing.assert_close(out["params"], full_params)
+    torch.testing.assert_close(out["opt"].mu, full_mu)
+    assert int(out["opt"].count) == 4
+    back = str(tmp_path / "back")
+    ck.save(back, out)
+    got_params, got_mu = worlds(2).run(_tp_load, back)[1]
+    torch.testing.assert_close(got_params, full_params)
+    torch.testing.assert_close(got_mu, full_mu)
+
+
+def _tp_layout_kinds():
+    from shardfn.models import gpt_tp_plan
+
+    return list(sf.tensor_split(_gpt(), sf.Mesh({"tp": 1}), "tp", gpt_tp_plan()).specs.values())
