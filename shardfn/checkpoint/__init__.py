@@ -22,6 +22,12 @@ from shardfn.checkpoint.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
+from shardfn.checkpoint.export import (
+    export_state_dict,
+    import_state_dict,
+    optimizer_from_torch,
+    optimizer_to_torch,
+)
 from shardfn.checkpoint.load import load
 from shardfn.checkpoint.save import SaveHandle, save, wait_pending
 
@@ -34,8 +40,12 @@ __all__ = [
     "PerRank",
     "SaveHandle",
     "Skip",
+    "export_state_dict",
+    "import_state_dict",
     "latest",
     "load",
+    "optimizer_from_torch",
+    "optimizer_to_torch",
     "save",
     "wait_pending",
 ]
