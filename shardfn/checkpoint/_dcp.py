@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import io
 import warnings
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -171,15 +172,49 @@ class _LoadPlanner(DefaultLoadPlanner):
         return view
 
 
+class _HashingStream:
+    """A write stream that keeps the size and CRC-32 of what passes through it (no read
+    back); a seek (never done by DCP's writer) marks it unusable, so the file is re-read."""
+
+    def __init__(self, stream) -> None:
+        self._stream, self.size, self.crc, self.sequential = stream, 0, 0, True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        return self._stream.write(data)
+
+    def seek(self, *args):
+        self.sequential = False
+        return self._stream.seek(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 class _HookedFileSystem(FileSystem):
-    """DCP's local file system, firing the ``write_file`` test hook before each file."""
+    """DCP's local file system: fires the ``write_file`` test hook before each data file and
+    hashes every file as it is written (``digests``: name -> (size, CRC-32))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: dict[str, tuple[int, int]] = {}
 
     @contextlib.contextmanager
     def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
-        if "w" in mode and not Path(path).name.startswith(".metadata"):
-            _hooks.fire("write_file", name=Path(path).name)
+        name = Path(path).name
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        if not name.startswith(".metadata"):
+            _hooks.fire("write_file", name=name)
         with super().create_stream(path, mode) as stream:
-            yield stream
+            hashing = _HashingStream(stream)
+            yield hashing
+        if hashing.sequential and "a" not in mode and "+" not in mode:
+            self.digests[name] = (hashing.size, hashing.crc)
 
 
 def _writer(path: str, thread_count: int) -> FileSystemWriter:
@@ -197,11 +232,19 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def run_save(staged: dict[str, Staged], path: str, group, thread_count: int = 1) -> None:
-    """Write ``staged`` as a DCP checkpoint into the directory ``path`` (collective)."""
+def run_save(staged: dict[str, Staged], path: str, group, thread_count: int = 1
+             ) -> dict[str, tuple[int, int]]:
+    """Write ``staged`` as a DCP checkpoint into the directory ``path`` (collective).
+
+    Returns:
+        ``name -> (size, CRC-32)`` of the files this rank wrote, hashed as they were
+        written (the metadata file's entry is for its temporary name: hash it again).
+    """
+    writer = _writer(path, thread_count)
     with _quiet():
-        dcp.save(staged, storage_writer=_writer(path, thread_count), planner=_SavePlanner(),
+        dcp.save(staged, storage_writer=writer, planner=_SavePlanner(),
                  process_group=group, no_dist=group is None)
+    return dict(writer.fs.digests)
 
 
 def read_metadata(path: str) -> Metadata:

@@ -206,9 +206,10 @@ def _write_and_commit(staged: dict[str, Staged], tmp: str, final: str, group,
                       info: dict[str, Any], overwrite: bool, retention, thread_count: int) -> str:
     rank, _ = _world(group)
     with local() as outcome:
-        run_save(staged, tmp, group, thread_count)
+        written = run_save(staged, tmp, group, thread_count)
         _hooks.fire("before_commit", rank=rank)
-        outcome.payload = {name: _commit.file_digest(Path(tmp) / name)
+        outcome.payload = {name: written[name] if name in written else
+                           _commit.file_digest(Path(tmp) / name)
                            for name in _commit.own_files(tmp, rank)}
     files: dict[str, tuple[int, int]] = {}
     for part in agree(group, outcome, f"checkpoint save to {tmp!r} (writing)"):
