@@ -83,10 +83,17 @@ def _world(group) -> tuple[int, int]:
 
 
 def _mesh(mesh: Mesh | None) -> Mesh | None:
+    """``mesh``, else the current mesh, else None; it must span the whole world (a save or
+    load is collective over every rank)."""
     try:
-        return get_mesh(mesh)
+        mesh = get_mesh(mesh)
     except ValueError:
         return None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if mesh.size() != world:
+        raise ValueError(f"checkpoint: the mesh {mesh} spans {mesh.size()} of the world's "
+                         f"{world} ranks; save/load run on every rank: give a mesh over all")
+    return mesh
 
 
 def stage(entries: list[Entry], leaves: list, copy: bool) -> dict[str, Staged]:
