@@ -95,8 +95,8 @@ def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, 
         verify: check every file's size and checksum first.
 
     Returns:
-        A new tree like ``like``: new tensors (``like``'s dtype and device, padding zero)
-        and the stored objects.
+        A new tree like ``like``: new tensors (``like``'s dtype, device and
+        ``requires_grad``; padding zero) and the stored objects.
 
     Raises:
         IncompleteCheckpointError: the checkpoint has no commit marker.
@@ -137,8 +137,10 @@ def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, 
     agree(group, outcome, f"checkpoint load of {str(path)!r}")
     with local() as outcome:
         targets = run_load(todo, path, group)
-        for i, entry in enumerate(entries):
+        for i, (entry, x) in enumerate(zip(entries, leaves, strict=True)):
             if entry.key is not None and not entry.tensor:
                 fresh[i] = targets[entry.key].value
+            elif entry.key is not None and x.requires_grad:  # autograd-style parameters
+                fresh[i].requires_grad_(True)
     agree(group, outcome, f"checkpoint load of {str(path)!r} (reading)")
     return pytree.tree_unflatten(treedef, fresh)
