@@ -263,3 +263,28 @@ def test_zero1_optimizer_combinations_reshard(worlds, tmp_path, name):
     for a, b in zip(saved, loaded, strict=True):
         assert torch.equal(a, b)
     assert any(x.dim() > 0 and x.abs().sum() > 0 for x in loaded)  # real moments moved
+
+
+def _gpt_zero3_save(path):
+    mesh = sf.Mesh({"dp": 4})
+    model = sf.shard_params(_gpt(), mesh, "dp")
+    params = model.init(0)
+    ck.save(path, {"params": params}, mesh, {"params": model})
+    return sf.gather(params, model.specs, mesh)
+
+
+def _gpt_dp_tp_load(path):
+    from shardfn.models import gpt_tp_plan
+
+    mesh = sf.Mesh({"dp": 2, "tp": 2})
+    tp = sf.tensor_split(_gpt(), mesh, "tp", gpt_tp_plan())
+    like = {"params": {k: torch.zeros_like(v) for k, v in tp.init(1).items()}}
+    return tp.gather_params(ck.load(path, like, mesh, {"params": tp})["params"])
+
+
+def test_zero3_on_4_ranks_into_dp_x_tp(worlds, tmp_path):
+    """The issue's example: ZeRO-3 over 4 ranks into tensor parallel on a 2x2 dp x tp mesh."""
+    path = str(tmp_path / "gpt")
+    full = worlds(4).run(_gpt_zero3_save, path)[0]
+    for got in worlds(4).run(_gpt_dp_tp_load, path):
+        torch.testing.assert_close(got, full)
