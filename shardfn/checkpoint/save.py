@@ -160,7 +160,9 @@ def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
         keep_last: keep only the newest ``keep_last`` complete checkpoints in ``path``
             (needs ``step``), and remove partial ones.
         async_: copy the shards to CPU memory now, write them in a background thread,
-            return a :class:`SaveHandle` (the step may go on and change ``state``).
+            return a :class:`SaveHandle` (the step may go on and change ``state``); the
+            ranks agree, check and write in that thread, so errors (a bad layout too)
+            are raised by ``handle.wait()``.
         overwrite: replace an existing checkpoint of the same name.
         thread_count: writer threads (files) per rank.
 
@@ -182,25 +184,31 @@ def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
     final = _commit.step_path(path, step) if step is not None else str(path)
     group = checkpoint_group()
     rank, world = _world(group)
-    with local() as outcome:
-        entries = resolve(state, layouts, _mesh(mesh), rank)
-        staged = stage(entries, pytree.tree_leaves(state), copy=async_)
-        digests = {e.key: _digest(x) for e, x in zip(entries, pytree.tree_leaves(state),
-                                                      strict=True) if e.replicated and e.key}
-        if rank == 0 and os.path.exists(final) and not overwrite:
-            raise FileExistsError(f"checkpoint {final!r} already exists (overwrite=True "
-                                  "replaces it)")
+    staged: dict[str, Staged] = {}
+    info: dict[str, Any] = {}
+    with local() as outcome:  # the only part an async save runs before returning
+        the_mesh = _mesh(mesh)
+        entries = resolve(state, layouts, the_mesh, rank)
+        leaves = pytree.tree_leaves(state)
+        staged = stage(entries, leaves, copy=async_)
+        digests = {e.key: _digest(x) for e, x in zip(entries, leaves, strict=True)
+                   if e.replicated and e.key}
+        info = {"step": step, "world_size": world, "mesh": None if the_mesh is None else
+                dict(zip(the_mesh.axis_names, the_mesh.shape, strict=True))}
         outcome.payload = (digests, uuid.uuid4().hex[:12])
-    payloads = agree(group, outcome, f"checkpoint save to {final!r} (staging)")
-    _check_replicated([p[0] for p in payloads])
-    tmp = f"{final}.tmp-{payloads[0][1]}"
-    info = {"step": step, "world_size": world,
-            "mesh": None if _mesh(mesh) is None else dict(zip(_mesh(mesh).axis_names,
-                                                              _mesh(mesh).shape, strict=True))}
 
     def write() -> str:
-        return _write_and_commit(staged, tmp, final, group, info, overwrite,
-                                 (str(path), keep_last) if keep_last else None, thread_count)
+        with local() as checked:
+            if rank == 0 and os.path.exists(final) and not overwrite:
+                raise FileExistsError(f"checkpoint {final!r} already exists (overwrite=True "
+                                      "replaces it)")
+        if checked.error is not None and outcome.error is None:
+            outcome.error = checked.error
+        payloads = agree(group, outcome, f"checkpoint save to {final!r} (staging)")
+        _check_replicated([p[0] for p in payloads])
+        return _write_and_commit(staged, f"{final}.tmp-{payloads[0][1]}", final, group, info,
+                                 overwrite, (str(path), keep_last) if keep_last else None,
+                                 thread_count)
 
     if not async_:
         return write()

@@ -60,3 +60,21 @@ def test_async_failure_is_raised_by_wait_on_every_rank(worlds, tmp_path):
         assert "rank 0" in error and "injected: background failure" in error, error
     assert ck.latest(str(tmp_path)) is None
     assert not (tmp_path / "b").exists()
+
+
+def _async_bad_leaf(path: str):
+    import torch.distributed as dist
+
+    state = {"w": torch.ones(3), "seen": torch.tensor(dist.get_rank())}  # differs per rank
+    handle = ck.save(path, state, async_=True)  # returns at once: checks run in the thread
+    try:
+        handle.wait()
+    except ck.CheckpointError as err:
+        return str(err)
+    return "no error"
+
+
+def test_async_errors_found_after_returning_reach_every_rank(worlds, tmp_path):
+    for error in worlds(2).run(_async_bad_leaf, str(tmp_path / "c")):
+        assert "'seen'" in error and "differ between ranks" in error, error
+    assert not (tmp_path / "c").exists()
