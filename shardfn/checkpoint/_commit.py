@@ -103,12 +103,12 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     marker = Path(path) / MARKER
     if not marker.exists():
         partial = sorted(str(p) for p in Path(path).parent.glob(Path(path).name + ".tmp-*"))
-        what = ("a partial save (no commit marker)" if Path(path).is_dir() or "tmp-" in
-                Path(path).name else "missing")
+        what = ("a partial save (it has no commit marker)" if Path(path).is_dir()
+                else "it does not exist")
         hint = f"; partial saves next to it: {partial}" if partial else ""
         newest = latest(Path(path).parent) if Path(path).parent.is_dir() else None
         raise IncompleteCheckpointError(
-            f"checkpoint {str(path)!r} is incomplete: {what}{hint}; its save did not finish, "
+            f"checkpoint {str(path)!r} is incomplete: {what}{hint}; no save of it finished, "
             f"so it cannot be loaded. Newest complete checkpoint there: {newest}")
     try:
         manifest = json.loads(marker.read_text())

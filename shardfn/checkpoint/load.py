@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -128,7 +129,9 @@ def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, 
             if entry.key is None:
                 fresh.append(x)
             elif entry.tensor:
-                local_tensor = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+                covered = sum(math.prod(c.sizes) for c in entry.chunks) == x.numel()
+                local_tensor = (torch.empty if covered else torch.zeros)(
+                    x.shape, dtype=x.dtype, device=x.device)  # zeros: the padding
                 fresh.append(local_tensor)
                 todo.append((entry, {c.offsets: c.view(local_tensor) for c in entry.chunks}))
             else:
