@@ -48,13 +48,19 @@ def _resolve_path(path: str | os.PathLike) -> str:
     return str(path)
 
 
-def mismatches(entries: list[Entry], leaves: list, metadata) -> list[str]:
-    """Every way ``like`` (its entries and leaves) does not fit the checkpoint's metadata."""
+def mismatches(entries: list[Entry], leaves: list, metadata,
+               elsewhere: tuple[set[str], set[str]] = (set(), set())) -> list[str]:
+    """Every way ``like`` (its entries and leaves) does not fit the checkpoint's metadata.
+
+    ``elsewhere``: the keys and leaf names the other ranks load (a key another rank loads,
+    a pipeline stage's leaf, is not unexpected here).
+    """
     stored = metadata.state_dict_metadata
     wanted = {e.key: (e, x) for e, x in zip(entries, leaves, strict=True) if e.key is not None}
+    names = {e.name for e in entries} | elsewhere[1]
     missing = sorted(k for k in wanted if k not in stored)
-    unexpected = sorted(k for k in stored if k not in wanted and not (
-        _RANK_KEY.match(k) and _RANK_KEY.match(k).group(1) in {e.name for e in entries}))
+    unexpected = sorted(k for k in stored if k not in wanted and k not in elsewhere[0] and not (
+        _RANK_KEY.match(k) and _RANK_KEY.match(k).group(1) in names))
     wrong = []
     for key, (entry, x) in sorted(wanted.items()):
         md = stored.get(key)
@@ -120,7 +126,12 @@ def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, 
     leaves, treedef = pytree.tree_flatten(like)
     with local() as outcome:
         entries = resolve(like, layouts, _mesh(mesh), rank)
-        problems = mismatches(entries, leaves, read_metadata(path))
+        outcome.payload = ({e.key for e in entries if e.key is not None},
+                           {e.name for e in entries})
+    everyone = agree(group, outcome, f"checkpoint load of {str(path)!r} (layouts)")
+    with local() as outcome:
+        elsewhere = (set().union(*(k for k, _ in everyone)), set().union(*(n for _, n in everyone)))
+        problems = mismatches(entries, leaves, read_metadata(path), elsewhere)
         if problems:
             raise CheckpointMismatchError(f"checkpoint {str(path)!r} does not fit like: "
                                           + " | ".join(problems))

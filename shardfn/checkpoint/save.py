@@ -125,12 +125,15 @@ def _digest(x) -> int:
 
 
 def _check_replicated(digests: list[dict[str, int]]) -> None:
-    """Raise naming every leaf without a layout whose value differs between ranks."""
+    """Raise naming every leaf without a layout whose value differs between the ranks that
+    hold it (a leaf only some ranks hold, e.g. a pipeline stage's, is written by them)."""
     bad = []
-    for key, value in digests[0].items():
-        ranks = [r for r, d in enumerate(digests) if d.get(key) != value]
-        if ranks:
-            bad.append(f"{key!r} (rank 0 differs from ranks {ranks})")
+    for key in sorted({k for d in digests for k in d}):
+        holders = [(r, d[key]) for r, d in enumerate(digests) if key in d]
+        if len({value for _, value in holders}) > 1:
+            first = holders[0][1]
+            bad.append(f"{key!r} (rank {holders[0][0]} differs from ranks "
+                       f"{[r for r, v in holders if v != first]})")
     if bad:
         raise CheckpointError(
             f"checkpoint save: leaves with no layout (replicated) differ between ranks: "

@@ -125,3 +125,22 @@ def test_bad_layouts_name_the_leaf(tmp_path):
         ck.save(str(tmp_path / "c"), {"p": {"w": torch.zeros(3)},
                                       "o": optim.adam(1e-3).init({"w": torch.zeros(3)})},
                 mesh, {"o": optim.adam(1e-3)})
+
+
+def _stage_local(path: str):
+    """Each rank holds other leaves (as pipeline stages do), under the full tree's names."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    mine = {f"layers.{rank}.w": torch.full((2, 3), float(rank)), "step": 4}
+    ck.save(path, mine)
+    like = {f"layers.{rank}.w": torch.zeros(2, 3), "step": 0}
+    return torch.equal(ck.load(path, like)[f"layers.{rank}.w"], mine[f"layers.{rank}.w"])
+
+
+def test_leaves_only_some_ranks_hold(worlds, tmp_path):
+    path = str(tmp_path / "c")
+    assert worlds(2).run(_stage_local, path) == [True, True]
+    full = ck.load(path, {"layers.0.w": torch.zeros(2, 3), "layers.1.w": torch.zeros(2, 3),
+                          "step": 0})  # one process: every stage's leaves
+    assert torch.equal(full["layers.1.w"], torch.ones(2, 3)) and full["step"] == 4
