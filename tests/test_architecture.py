@@ -214,6 +214,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                            "shardfn._functional_leaves", "shardfn.memory")),
     ("optimizers", ("shardfn.optim",)),
     ("transforms", ("shardfn.transforms",)),
+    ("checkpoints", ("shardfn.checkpoint",)),
     ("public API and test worlds", ("shardfn", "shardfn.testing")),
 )
 

@@ -1,0 +1,179 @@
+"""Crash safety: temporary directory, checksums, commit marker, atomic rename, retention.
+
+A save writes into ``<final>.tmp-<id>``. Every rank fsyncs its files (DCP's
+``sync_files``) and hashes them (size and CRC-32); after the ranks agree that
+all of them succeeded, rank 0 writes the commit marker ``.shardfn_commit``
+(the manifest: every file with its size and checksum, the step, the world
+size), fsyncs it and the directory, renames the directory to its final name
+and fsyncs the parent. A checkpoint is complete exactly when its marker
+exists; a crash at any point leaves the previous complete checkpoints as they
+were and, at worst, a ``.tmp-`` directory that :func:`latest` ignores and the
+next save with ``keep_last`` removes.
+
+Example:
+    >>> manifest = read_manifest("ckpt/step_000100")   # raises IncompleteCheckpointError
+    >>> verify_files("ckpt/step_000100", manifest, names)  # raises CorruptCheckpointError
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+from shardfn.checkpoint.errors import CorruptCheckpointError, IncompleteCheckpointError
+
+__all__ = ["MARKER", "commit", "file_digest", "latest", "own_files", "read_manifest", "retain",
+           "step_path", "verify_files"]
+
+MARKER = ".shardfn_commit"
+FORMAT = "shardfn.checkpoint"
+VERSION = 1
+_STEP = re.compile(r"^step_(\d+)$")
+_BLOCK = 1 << 22
+
+
+def step_path(directory: str | os.PathLike, step: int) -> str:
+    """``directory/step_000123`` (at least six digits; sorted by the number, not the text)."""
+    return str(Path(directory) / f"step_{int(step):06d}")
+
+
+def file_digest(path: str | os.PathLike) -> tuple[int, int]:
+    """``(size in bytes, CRC-32)`` of a file."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            crc = zlib.crc32(block, crc)
+            size += len(block)
+    return size, crc
+
+
+def own_files(directory: str | os.PathLike, rank: int) -> list[str]:
+    """The files rank ``rank`` wrote into a DCP directory (``__<rank>_*``; rank 0 also
+    ``.metadata``)."""
+    names = sorted(p.name for p in Path(directory).iterdir()
+                   if p.name.startswith(f"__{rank}_"))
+    return names + ([".metadata"] if rank == 0 else [])
+
+
+def _fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: str, final: str, files: dict[str, tuple[int, int]], info: dict[str, Any],
+           overwrite: bool) -> None:
+    """Write the marker into ``tmp``, then rename ``tmp`` to ``final`` (rank 0 only)."""
+    manifest = {"format": FORMAT, "version": VERSION, "time": time.time(), **info,
+                "files": {name: list(files[name]) for name in sorted(files)}}
+    marker_tmp = Path(tmp) / (MARKER + ".tmp")
+    with open(marker_tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(marker_tmp, Path(tmp) / MARKER)
+    _fsync_dir(tmp)
+    old = None
+    if os.path.exists(final):
+        if not overwrite:
+            raise FileExistsError(f"checkpoint {final!r} already exists (pass overwrite=True)")
+        old = f"{final}.old-{os.getpid()}-{time.time_ns()}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(Path(final).parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of the complete checkpoint at ``path``.
+
+    Raises:
+        IncompleteCheckpointError: no commit marker (a partial save, or not a checkpoint),
+            naming any partial ``.tmp-`` saves next to it.
+    """
+    marker = Path(path) / MARKER
+    if not marker.exists():
+        partial = sorted(str(p) for p in Path(path).parent.glob(Path(path).name + ".tmp-*"))
+        what = ("a partial save (it has no commit marker)" if Path(path).is_dir()
+                else "it does not exist")
+        hint = f"; partial saves next to it: {partial}" if partial else ""
+        newest = latest(Path(path).parent) if Path(path).parent.is_dir() else None
+        raise IncompleteCheckpointError(
+            f"checkpoint {str(path)!r} is incomplete: {what}{hint}; no save of it finished, "
+            f"so it cannot be loaded. Newest complete checkpoint there: {newest}")
+    try:
+        manifest = json.loads(marker.read_text())
+    except (OSError, ValueError) as err:
+        raise CorruptCheckpointError(f"checkpoint {str(path)!r}: its commit marker {MARKER} "
+                                     f"cannot be read: {err}") from err
+    if manifest.get("format") != FORMAT:
+        raise CorruptCheckpointError(f"checkpoint {str(path)!r}: {MARKER} is not a shardfn "
+                                     "manifest")
+    return manifest
+
+
+def verify_files(path: str | os.PathLike, manifest: dict[str, Any], names: list[str]) -> None:
+    """Check size and checksum of the manifest's files ``names``.
+
+    Raises:
+        CorruptCheckpointError: naming the first file that is missing, truncated (or
+            extended) or whose checksum differs.
+    """
+    for name in names:
+        size, crc = manifest["files"][name]
+        file = Path(path) / name
+        if not file.exists():
+            raise CorruptCheckpointError(f"checkpoint {str(path)!r}: file {name!r} is missing")
+        got_size, got_crc = file_digest(file)
+        if got_size != size:
+            raise CorruptCheckpointError(
+                f"checkpoint {str(path)!r}: file {name!r} is truncated or extended: "
+                f"{got_size} bytes, the manifest says {size}")
+        if got_crc != crc:
+            raise CorruptCheckpointError(
+                f"checkpoint {str(path)!r}: file {name!r} is corrupted: CRC-32 {got_crc:#010x}, "
+                f"the manifest says {crc:#010x}")
+
+
+def _steps(directory: Path) -> list[tuple[int, Path]]:
+    found = []
+    for p in directory.iterdir() if directory.is_dir() else ():
+        m = _STEP.match(p.name)
+        if m and (p / MARKER).exists():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest(directory: str | os.PathLike) -> str | None:
+    """The newest complete ``step_*`` checkpoint in ``directory`` (None: there is none).
+
+    Example:
+        >>> sf.checkpoint.latest("ckpt")
+        'ckpt/step_000200'
+    """
+    steps = _steps(Path(directory))
+    return str(steps[-1][1]) if steps else None
+
+
+def retain(directory: str | os.PathLike, keep_last: int, keep: str) -> list[str]:
+    """Remove all but the newest ``keep_last`` complete checkpoints and every partial one
+    (``step_*.tmp-*``) except ``keep``'s own; returns what was removed."""
+    removed = []
+    steps = _steps(Path(directory))
+    for _, p in steps[:max(0, len(steps) - keep_last)]:
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(str(p))
+    for p in Path(directory).glob("step_*.tmp-*"):
+        if str(p) != keep:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(str(p))
+    return removed

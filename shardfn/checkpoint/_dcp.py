@@ -1,0 +1,265 @@
+"""The glue to torch.distributed.checkpoint (DCP): planners, the writer, the process group.
+
+shardfn gives DCP one value per checkpoint key: a :class:`Staged` leaf (this
+rank's chunks of a global tensor, each with its global offsets, or a Python
+object). The save planner turns them into DCP ``WriteItem``s (chunk metadata:
+offsets, sizes, the global size and dtype), so the files and ``.metadata`` are
+a plain DCP checkpoint: ``dcp.load`` into full tensors, or
+``format_utils.dcp_to_torch_save``, read it without shardfn. Chunks that
+several ranks hold (replicated leaves) are written once (DCP's dedup). The
+load planner asks DCP's resharding helper which stored chunks overlap each of
+this rank's chunks and copies them straight into views of the new local
+tensors.
+
+Checkpoint I/O runs on its own gloo process group, so an async save's
+collectives never interleave with the training step's.
+
+Example:
+    >>> run_save(staged, "ckpt.tmp-1", group)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from shardfn.checkpoint import _hooks
+from shardfn.checkpoint._layout import Entry
+
+__all__ = ["Staged", "checkpoint_group", "read_metadata", "run_load", "run_save"]
+
+
+class Staged(NamedTuple):
+    """One checkpoint key on this rank: its entry and data.
+
+    Attributes:
+        entry: the leaf's :class:`~shardfn.checkpoint._layout.Entry`.
+        data: chunk offsets -> the chunk's tensor (a view of the local tensor, or a copy)
+            for tensors; unused for objects.
+        value: the Python object (objects only).
+        dtype: the tensor's dtype.
+    """
+
+    entry: Entry
+    data: dict[tuple[int, ...], torch.Tensor]
+    value: Any
+    dtype: torch.dtype | None
+
+
+class _Target:
+    """A key being loaded: views of the new local tensor per chunk, or the object read."""
+
+    def __init__(self, entry: Entry, views: dict[tuple[int, ...], torch.Tensor] | None):
+        self.entry, self.views, self.value = entry, views, None
+
+
+_GROUP: list[tuple[Any, Any]] = []  # [(the default group it was made under, the gloo group)]
+
+
+def checkpoint_group():
+    """The gloo group over the whole world that checkpoint I/O uses (None: no world).
+
+    Made on first use (a collective call: every rank saves or loads together).
+    """
+    if not dist.is_initialized():
+        return None
+    world = dist.group.WORLD
+    if not _GROUP or _GROUP[0][0] is not world:
+        _GROUP[:] = [(world, dist.new_group(backend="gloo"))]
+    return _GROUP[0][1]
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """Write items from :class:`Staged` leaves (chunks with global offsets)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        self.state_dict, self.is_coordinator, self.mappings = state_dict, is_coordinator, {}
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for key, staged in self.state_dict.items():
+            if not staged.entry.tensor:
+                items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+                continue
+            for chunk in staged.entry.chunks:
+                props = TensorProperties(dtype=staged.dtype)
+                items.append(WriteItem(
+                    index=MetadataIndex(key, chunk.offsets), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=torch.Size(chunk.offsets),
+                                                   sizes=torch.Size(chunk.sizes)),
+                        properties=props, size=torch.Size(staged.entry.shape))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):
+        staged = self.state_dict[write_item.index.fqn]
+        if write_item.type == WriteItemType.BYTE_IO:
+            buffer = io.BytesIO()
+            torch.save(staged.value, buffer)
+            return buffer
+        return staged.data[tuple(write_item.index.offset)].detach()
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """Read items into views of the new local tensors (DCP's resharding helper)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        self.state_dict = self.original_state_dict = state_dict
+        self.metadata, self.is_coordinator, self.mappings = metadata, is_coordinator, {}
+
+    def create_local_plan(self) -> LoadPlan:
+        requests: list[ReadItem] = []
+        for key, target in self.state_dict.items():
+            md = self.metadata.state_dict_metadata[key]
+            if not target.entry.tensor:
+                index = MetadataIndex(key)
+                zero = torch.Size([0])
+                requests.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=index,
+                                         dest_offsets=zero, storage_index=index,
+                                         storage_offsets=zero, lengths=zero))
+                continue
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(c.offsets),
+                                           sizes=torch.Size(c.sizes))
+                      for c in target.entry.chunks]
+            requests += create_read_items_for_chunk_list(key, md, chunks)
+        return LoadPlan(requests)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.state_dict[read_item.dest_index.fqn].value = torch.load(value, weights_only=True)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        target = self.state_dict[read_item.dest_index.fqn]
+        view = target.views[tuple(read_item.dest_index.offset)]
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths,
+                                                  strict=True)):
+            view = view.narrow(dim, start, length)
+        return view
+
+
+class _HashingStream:
+    """A write stream that keeps the size and CRC-32 of what passes through it (no read
+    back); a seek (never done by DCP's writer) marks it unusable, so the file is re-read."""
+
+    def __init__(self, stream) -> None:
+        self._stream, self.size, self.crc, self.sequential = stream, 0, 0, True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        return self._stream.write(data)
+
+    def seek(self, *args):
+        self.sequential = False
+        return self._stream.seek(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+class _HookedFileSystem(FileSystem):
+    """DCP's local file system: fires the ``write_file`` test hook before each data file and
+    hashes every file as it is written (``digests``: name -> (size, CRC-32))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: dict[str, tuple[int, int]] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        name = Path(path).name
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        if not name.startswith(".metadata"):
+            _hooks.fire("write_file", name=name)
+        with super().create_stream(path, mode) as stream:
+            hashing = _HashingStream(stream)
+            yield hashing
+        if hashing.sequential and "a" not in mode and "+" not in mode:
+            self.digests[name] = (hashing.size, hashing.crc)
+
+
+def _writer(path: str, thread_count: int) -> FileSystemWriter:
+    writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True,
+                              thread_count=thread_count, overwrite=False)
+    writer.fs = _HookedFileSystem()
+    return writer
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")
+        yield
+
+
+def run_save(staged: dict[str, Staged], path: str, group, thread_count: int = 1
+             ) -> dict[str, tuple[int, int]]:
+    """Write ``staged`` as a DCP checkpoint into the directory ``path`` (collective).
+
+    Returns:
+        ``name -> (size, CRC-32)`` of the files this rank wrote, hashed as they were
+        written (the metadata file's entry is for its temporary name: hash it again).
+    """
+    writer = _writer(path, thread_count)
+    with _quiet():
+        dcp.save(staged, storage_writer=writer, planner=_SavePlanner(),
+                 process_group=group, no_dist=group is None)
+    return dict(writer.fs.digests)
+
+
+def read_metadata(path: str) -> Metadata:
+    """The DCP metadata of the checkpoint at ``path``."""
+    return FileSystemReader(path).read_metadata()
+
+
+def run_load(entries_with_views: list[tuple[Entry, dict | None]], path: str, group
+             ) -> dict[str, _Target]:
+    """Read every given key of the checkpoint at ``path`` (collective); returns the targets
+    (tensor data lands in the views; objects in ``.value``)."""
+    targets = {e.key: _Target(e, views) for e, views in entries_with_views}
+    if not targets and group is None:
+        return targets
+    with _quiet():
+        dcp.load(targets, storage_reader=FileSystemReader(path), planner=_LoadPlanner(),
+                 process_group=group, no_dist=group is None)
+    return targets

@@ -1,0 +1,160 @@
+"""``sf.checkpoint.load``: a checkpoint into the layout of ``like``, on any mesh or world size.
+
+``like`` is the state as the new run lays it out (e.g. ``model.init(0)`` and
+``opt.init(params)`` on the new mesh); ``layouts`` says how, as for ``save``.
+Every rank reads the stored chunks that overlap its own shards (DCP's
+resharding), so a checkpoint of ZeRO-3 on 4 ranks loads into 2 ranks, into
+ZeRO-1 or into one process. Before anything is read the checkpoint must be
+complete (its commit marker), its files must match their checksums (the ranks
+share the checking), and ``like`` must fit it: one error lists every missing,
+unexpected and mis-shaped leaf.
+
+Example:
+    >>> like = {"params": model.init(0), "opt": opt.init(model.init(0)), "step": 0}
+    >>> state = sf.checkpoint.load(sf.checkpoint.latest("ckpt"), like,
+    ...                            layouts={"params": model, "opt": opt})
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from shardfn import pytree
+from shardfn.checkpoint import _commit
+from shardfn.checkpoint._agree import agree, local
+from shardfn.checkpoint._dcp import checkpoint_group, read_metadata, run_load
+from shardfn.checkpoint._layout import Entry, resolve
+from shardfn.checkpoint.errors import CheckpointMismatchError
+from shardfn.checkpoint.save import _mesh, _world, wait_pending
+from shardfn.mesh import Mesh
+
+__all__ = ["load", "mismatches"]
+
+_RANK_KEY = re.compile(r"^(.*)@rank\d+$")
+
+
+def _resolve_path(path: str | os.PathLike) -> str:
+    """``path`` itself, or the newest complete checkpoint in a directory of ``step_*``."""
+    p = Path(path)
+    if not (p / _commit.MARKER).exists() and p.is_dir() and not (p / ".metadata").exists():
+        newest = _commit.latest(p)
+        if newest is not None:
+            return newest
+    return str(path)
+
+
+def mismatches(entries: list[Entry], leaves: list, metadata,
+               elsewhere: tuple[set[str], set[str]] = (set(), set())) -> list[str]:
+    """Every way ``like`` (its entries and leaves) does not fit the checkpoint's metadata.
+
+    ``elsewhere``: the keys and leaf names the other ranks load (a key another rank loads,
+    a pipeline stage's leaf, is not unexpected here).
+    """
+    stored = metadata.state_dict_metadata
+    wanted = {e.key: (e, x) for e, x in zip(entries, leaves, strict=True) if e.key is not None}
+    names = {e.name for e in entries} | elsewhere[1]
+    missing = sorted(k for k in wanted if k not in stored)
+    unexpected = sorted(k for k in stored if k not in wanted and k not in elsewhere[0] and not (
+        _RANK_KEY.match(k) and _RANK_KEY.match(k).group(1) in names))
+    wrong = []
+    for key, (entry, x) in sorted(wanted.items()):
+        md = stored.get(key)
+        if md is None:
+            continue
+        is_tensor = hasattr(md, "size") and hasattr(md, "chunks")
+        if is_tensor != entry.tensor:
+            wrong.append(f"{entry.name!r}: the checkpoint holds "
+                         f"{'a tensor' if is_tensor else 'an object'}, like has "
+                         f"{'a tensor' if entry.tensor else type(x).__name__}")
+        elif is_tensor and tuple(md.size) != tuple(entry.shape):
+            wrong.append(f"{entry.name!r}: shape {tuple(md.size)} in the checkpoint, "
+                         f"{tuple(entry.shape)} in like")
+        elif is_tensor and md.properties.dtype != x.dtype:
+            wrong.append(f"{entry.name!r}: dtype {md.properties.dtype} in the checkpoint, "
+                         f"{x.dtype} in like (load, then cast)")
+    out = []
+    if missing:
+        out.append(f"missing (in like, not in the checkpoint): {missing}")
+    if unexpected:
+        out.append(f"unexpected (in the checkpoint, not in like): {unexpected}")
+    if wrong:
+        out.append("shape/type: " + "; ".join(wrong))
+    return out
+
+
+def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, *,
+         verify: bool = True):
+    """Load the checkpoint at ``path`` into the structure and layout of ``like``.
+
+    Args:
+        path: a checkpoint, or a directory of ``step_*`` checkpoints (its newest complete
+            one is loaded).
+        like: the state tree as this run lays it out: local shards of the right shapes
+            and dtypes (their values are not used, except where ``layouts`` says
+            :class:`~shardfn.checkpoint.Skip`), and any objects.
+        mesh: the mesh the layouts refer to (default: the current mesh, if any).
+        layouts: layout sources as for :func:`~shardfn.checkpoint.save`, for this run.
+        verify: check every file's size and checksum first.
+
+    Returns:
+        A new tree like ``like``: new tensors (``like``'s dtype, device and
+        ``requires_grad``; padding zero) and the stored objects.
+
+    Raises:
+        IncompleteCheckpointError: the checkpoint has no commit marker.
+        CorruptCheckpointError: a file is missing, truncated or corrupted (names it).
+        CheckpointMismatchError: ``like`` does not fit; lists every mismatch.
+
+    Example:
+        >>> state = sf.checkpoint.load("ckpt/step_000100", like, layouts={"params": model})
+    """
+    wait_pending()
+    path = _resolve_path(path)
+    group = checkpoint_group()
+    rank, world = _world(group)
+    with local() as outcome:
+        manifest = _commit.read_manifest(path)
+        if verify:
+            names = sorted(manifest["files"])
+            _commit.verify_files(path, manifest, names[rank::world])
+    agree(group, outcome, f"checkpoint load of {str(path)!r} (checking files)")
+    leaves, treedef = pytree.tree_flatten(like)
+    with local() as outcome:
+        entries = resolve(like, layouts, _mesh(mesh), rank)
+        outcome.payload = ({e.key for e in entries if e.key is not None},
+                           {e.name for e in entries})
+    everyone = agree(group, outcome, f"checkpoint load of {str(path)!r} (layouts)")
+    with local() as outcome:
+        elsewhere = (set().union(*(k for k, _ in everyone)), set().union(*(n for _, n in everyone)))
+        problems = mismatches(entries, leaves, read_metadata(path), elsewhere)
+        if problems:
+            raise CheckpointMismatchError(f"checkpoint {str(path)!r} does not fit like: "
+                                          + " | ".join(problems))
+        fresh, todo = [], []
+        for entry, x in zip(entries, leaves, strict=True):
+            if entry.key is None:
+                fresh.append(x)
+            elif entry.tensor:
+                covered = sum(math.prod(c.sizes) for c in entry.chunks) == x.numel()
+                local_tensor = (torch.empty if covered else torch.zeros)(
+                    x.shape, dtype=x.dtype, device=x.device)  # zeros: the padding
+                fresh.append(local_tensor)
+                todo.append((entry, {c.offsets: c.view(local_tensor) for c in entry.chunks}))
+            else:
+                fresh.append(None)
+                todo.append((entry, None))
+    agree(group, outcome, f"checkpoint load of {str(path)!r}")
+    with local() as outcome:
+        targets = run_load(todo, path, group)
+        for i, (entry, x) in enumerate(zip(entries, leaves, strict=True)):
+            if entry.key is not None and not entry.tensor:
+                fresh[i] = targets[entry.key].value
+            elif entry.key is not None and x.requires_grad:  # autograd-style parameters
+                fresh[i].requires_grad_(True)
+    agree(group, outcome, f"checkpoint load of {str(path)!r} (reading)")
+    return pytree.tree_unflatten(treedef, fresh)

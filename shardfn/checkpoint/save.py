@@ -1,0 +1,242 @@
+"""``sf.checkpoint.save``: every rank writes its own shards of any state pytree, crash-safe.
+
+Example:
+    >>> state = {"params": params, "opt": opt_state, "step": 100, "rng": gen.get_state()}
+    >>> sf.checkpoint.save("ckpt", state, layouts={"params": model, "opt": opt}, step=100,
+    ...                    keep_last=3)                       # -> "ckpt/step_000100"
+    >>> handle = sf.checkpoint.save("ckpt", state, layouts=..., step=200, async_=True)
+    >>> ...                                                   # train on; then
+    >>> handle.wait()
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardfn import pytree
+from shardfn.checkpoint import _commit, _hooks
+from shardfn.checkpoint._agree import agree, local
+from shardfn.checkpoint._dcp import Staged, checkpoint_group, run_save
+from shardfn.checkpoint._layout import Entry, resolve
+from shardfn.checkpoint.errors import CheckpointError
+from shardfn.mesh import Mesh, get_mesh
+
+__all__ = ["SaveHandle", "save", "wait_pending"]
+
+_PENDING: list[SaveHandle] = []
+
+
+class SaveHandle:
+    """An asynchronous save in flight: :meth:`wait` for it (it raises what the save raised).
+
+    Attributes:
+        path: the checkpoint's final path.
+    """
+
+    def __init__(self, path: str, work) -> None:
+        self.path = path
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(work,), daemon=True,
+                                        name="shardfn-checkpoint-save")
+        self._thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            work()
+        except BaseException as err:  # noqa: BLE001 - re-raised by wait()
+            self._error = err
+
+    def done(self) -> bool:
+        """Whether the save has finished (successfully or not)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> str:
+        """Block until the checkpoint is committed; returns its path.
+
+        Raises:
+            CheckpointError: what the save raised (on every rank).
+        """
+        self._thread.join()
+        if self in _PENDING:
+            _PENDING.remove(self)
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+
+def wait_pending() -> None:
+    """Wait for this process's asynchronous saves (a save or load first calls this)."""
+    while _PENDING:
+        _PENDING[0].wait()
+
+
+def _world(group) -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
+
+
+def _mesh(mesh: Mesh | None) -> Mesh | None:
+    """``mesh``, else the current mesh, else None; it must span the whole world (a save or
+    load is collective over every rank)."""
+    try:
+        mesh = get_mesh(mesh)
+    except ValueError:
+        return None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if mesh.size() != world:
+        raise ValueError(f"checkpoint: the mesh {mesh} spans {mesh.size()} of the world's "
+                         f"{world} ranks; save/load run on every rank: give a mesh over all")
+    return mesh
+
+
+def stage(entries: list[Entry], leaves: list, copy: bool) -> dict[str, Staged]:
+    """One :class:`Staged` per saved key; with ``copy`` every chunk is copied to CPU memory
+    (the values at this call, whatever the step does next)."""
+    if len(entries) != len(leaves):
+        raise AssertionError(f"{len(entries)} entries for {len(leaves)} leaves")
+    out = {}
+    for entry, x in zip(entries, leaves, strict=True):
+        if entry.key is None:
+            continue
+        if not entry.tensor:
+            out[entry.key] = Staged(entry, {}, x, None)
+            continue
+        data = {}
+        for chunk in entry.chunks:
+            view = chunk.view(x.detach())
+            data[chunk.offsets] = view.to("cpu", copy=True, memory_format=torch.contiguous_format) \
+                if copy else view
+        out[entry.key] = Staged(entry, data, None, x.dtype)
+    return out
+
+
+def _digest(x) -> int:
+    if isinstance(x, torch.Tensor):
+        raw = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return zlib.crc32(raw, zlib.crc32(f"{x.dtype}{tuple(x.shape)}".encode()))
+    return zlib.crc32(repr(x).encode())
+
+
+def _check_replicated(digests: list[dict[str, int]]) -> None:
+    """Raise naming every leaf without a layout whose value differs between the ranks that
+    hold it (a leaf only some ranks hold, e.g. a pipeline stage's, is written by them)."""
+    bad = []
+    for key in sorted({k for d in digests for k in d}):
+        holders = [(r, d[key]) for r, d in enumerate(digests) if key in d]
+        if len({value for _, value in holders}) > 1:
+            first = holders[0][1]
+            bad.append(f"{key!r} (rank {holders[0][0]} differs from ranks "
+                       f"{[r for r, v in holders if v != first]})")
+    if bad:
+        raise CheckpointError(
+            f"checkpoint save: leaves with no layout (replicated) differ between ranks: "
+            f"{', '.join(bad)}. Give each its layout, or sf.checkpoint.PerRank() to save every "
+            "rank's own value")
+
+
+def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
+         step: int | None = None, *, keep_last: int | None = None, async_: bool = False,
+         overwrite: bool = False, thread_count: int = 1) -> str | SaveHandle:
+    """Save ``state`` (any pytree) as a sharded DCP checkpoint; every rank calls it.
+
+    Each rank writes only its own shards (replicated leaves once, by one rank), in
+    parallel, with no gather; padding is cut off. Crash-safe: the checkpoint is written
+    under ``<final>.tmp-<id>``, fsynced, checksummed, marked complete and renamed (see
+    :mod:`shardfn.checkpoint._commit`).
+
+    Args:
+        path: the checkpoint directory; with ``step``, a directory of checkpoints and the
+            checkpoint is ``path/step_<step:06d>``.
+        state: a pytree of tensors (local shards), ints, floats, strings, None.
+        mesh: the mesh the layouts refer to (default: the current mesh, if any).
+        layouts: a prefix of ``state`` of layout sources (see
+            :mod:`shardfn.checkpoint._layout`), e.g. ``{"params": model, "opt": opt}``;
+            leaves without one are replicated (checked equal on every rank).
+        step: the training step (names the checkpoint, recorded in the manifest).
+        keep_last: keep only the newest ``keep_last`` complete checkpoints in ``path``
+            (needs ``step``), and remove partial ones.
+        async_: copy the shards to CPU memory now, write them in a background thread,
+            return a :class:`SaveHandle` (the step may go on and change ``state``); the
+            ranks agree, check and write in that thread, so errors (a bad layout too)
+            are raised by ``handle.wait()``.
+        overwrite: replace an existing checkpoint of the same name.
+        thread_count: writer threads (files) per rank.
+
+    Returns:
+        The checkpoint's path, or a :class:`SaveHandle` with ``async_``.
+
+    Raises:
+        CheckpointError: on every rank when any rank fails (names the rank and why);
+            ValueError / TypeError naming the leaf for a layout that does not fit.
+
+    Example:
+        >>> sf.checkpoint.save("ckpt", {"params": p, "opt": s}, layouts={"params": model,
+        ...                    "opt": opt}, step=10, keep_last=2)
+    """
+    wait_pending()
+    if keep_last is not None and (step is None or int(keep_last) < 1):
+        raise ValueError("save: keep_last=k needs step= (a directory of step_* checkpoints) "
+                         "and k >= 1")
+    final = _commit.step_path(path, step) if step is not None else str(path)
+    group = checkpoint_group()
+    rank, world = _world(group)
+    staged: dict[str, Staged] = {}
+    info: dict[str, Any] = {}
+    with local() as outcome:  # the only part an async save runs before returning
+        the_mesh = _mesh(mesh)
+        entries = resolve(state, layouts, the_mesh, rank)
+        leaves = pytree.tree_leaves(state)
+        staged = stage(entries, leaves, copy=async_)
+        digests = {e.key: _digest(x) for e, x in zip(entries, leaves, strict=True)
+                   if e.replicated and e.key}
+        info = {"step": step, "world_size": world, "mesh": None if the_mesh is None else
+                dict(zip(the_mesh.axis_names, the_mesh.shape, strict=True))}
+        outcome.payload = (digests, uuid.uuid4().hex[:12])
+
+    def write() -> str:
+        with local() as checked:
+            if rank == 0 and os.path.exists(final) and not overwrite:
+                raise FileExistsError(f"checkpoint {final!r} already exists (overwrite=True "
+                                      "replaces it)")
+        if checked.error is not None and outcome.error is None:
+            outcome.error = checked.error
+        payloads = agree(group, outcome, f"checkpoint save to {final!r} (staging)")
+        _check_replicated([p[0] for p in payloads])
+        return _write_and_commit(staged, f"{final}.tmp-{payloads[0][1]}", final, group, info,
+                                 overwrite, (str(path), keep_last) if keep_last else None,
+                                 thread_count)
+
+    if not async_:
+        return write()
+    handle = SaveHandle(final, write)
+    _PENDING.append(handle)
+    return handle
+
+
+def _write_and_commit(staged: dict[str, Staged], tmp: str, final: str, group,
+                      info: dict[str, Any], overwrite: bool, retention, thread_count: int) -> str:
+    rank, _ = _world(group)
+    with local() as outcome:
+        written = run_save(staged, tmp, group, thread_count)
+        _hooks.fire("before_commit", rank=rank)
+        outcome.payload = {name: written[name] if name in written else
+                           _commit.file_digest(Path(tmp) / name)
+                           for name in _commit.own_files(tmp, rank)}
+    files: dict[str, tuple[int, int]] = {}
+    for part in agree(group, outcome, f"checkpoint save to {tmp!r} (writing)"):
+        files.update(part)
+    with local() as outcome:
+        if rank == 0:
+            _hooks.fire("commit", rank=rank)
+            _commit.commit(tmp, final, files, info, overwrite)
+            if retention is not None:
+                _commit.retain(retention[0], retention[1], keep=tmp)
+    agree(group, outcome, f"checkpoint commit of {final!r}")
+    return final
