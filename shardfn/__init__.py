@@ -7,7 +7,7 @@ Example:
     P('dp', None)
 """
 
-from shardfn import distributed, memory, models, optim, pytree
+from shardfn import checkpoint, distributed, memory, models, optim, pytree
 from shardfn.functional import FunctionalModel, ShapeDtype, functional
 from shardfn.mesh import Mesh, get_mesh, set_mesh
 from shardfn.primitives import (
@@ -67,6 +67,7 @@ from shardfn.transforms.remat import Offload, checkpoint_name, checkpoint_polici
 __version__ = "0.1.0"
 
 __all__ = [
+    "checkpoint",
     "Colwise",
     "CommStats",
     "ConsistencyError",

@@ -299,19 +299,14 @@ def _leaf_entry(name: str, x, source, mesh: Mesh, rank: int) -> Entry:
 
 
 def inner_optimizer(opt: ShardedOptimizer) -> GradientTransformation:
-    """The optimizer ``shard_opt_state`` wraps (read from its ``init`` closure).
+    """The optimizer ``shard_opt_state`` wraps (``ShardedOptimizer.inner``).
 
     Raises:
-        TypeError: if it cannot be found (a ShardedOptimizer not made by shard_opt_state).
+        TypeError: if it is not known (a ShardedOptimizer not made by shard_opt_state).
     """
     inner = getattr(opt, "inner", None)
     if isinstance(inner, GradientTransformation):
         return inner
-    code, cells = opt.init.__code__, opt.init.__closure__ or ()
-    if "opt" in code.co_freevars:
-        inner = cells[code.co_freevars.index("opt")].cell_contents
-        if isinstance(inner, GradientTransformation):
-            return inner
     raise TypeError("checkpoint: cannot find the optimizer this ShardedOptimizer wraps; "
                     "make it with sf.shard_opt_state")
 

@@ -133,6 +133,7 @@ class ShardedOptimizer(NamedTuple):
         all_finite: ``all_finite(grads) -> bool``: whether every rank's gradients over the
             axis are finite (the same answer on every rank); ``skip_nonfinite`` wrapped
             around this optimizer uses it as its default check.
+        inner: the wrapped optimizer (``opt``), e.g. for checkpoint layouts.
     """
 
     init: Callable
@@ -143,6 +144,7 @@ class ShardedOptimizer(NamedTuple):
     partition: Callable
     overlap: Callable
     all_finite: Callable | None = None
+    inner: GradientTransformation | None = None
 
 
 def shard_opt_state(opt: GradientTransformation, mesh: Mesh, axis: AxisName = "dp", *,
@@ -271,7 +273,7 @@ def shard_opt_state(opt: GradientTransformation, mesh: Mesh, axis: AxisName = "d
                            mesh=mesh)
 
     return ShardedOptimizer(init, update, gather_state, shard_state, reduce_grads, partition,
-                            overlap, all_finite)
+                            overlap, all_finite, opt)
 
 
 def _fingerprint(part: FlatPartition) -> int:
