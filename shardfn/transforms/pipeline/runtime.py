@@ -1,0 +1,389 @@
+"""The pipeline runtime: one rank runs its schedule's actions in order.
+
+* ``F`` (stage ``s``, micro-batch ``i``): the input is micro-batch ``i`` of the
+  inputs on stage 0, else the activation received from stage ``s - 1``'s rank
+  (handed over locally when that is this rank). The stage runs with autograd,
+  its graph is kept, and the output is sent on to stage ``s + 1``. The last
+  stage computes ``loss_fn(out, targets_i) * n_i / batch`` (so the sum over
+  micro-batches is the mean over the whole batch).
+* ``B``: the output gradient is received from stage ``s + 1`` (or the backward
+  starts from the scaled loss); ``torch.autograd.grad`` gives the input gradient,
+  sent to stage ``s - 1``, and the parameter gradients, accumulated. The graph is
+  then freed. With ``split_backward`` ``B`` keeps the graph and computes only the
+  input gradient; ``W`` computes the parameter gradients later and frees it.
+
+Receives block, sends are non-blocking (:mod:`._p2p`) and all waited before
+the step returns. On any error (a stage raising, a declared shape not met, a
+peer's error header) the rank settles its messages (error headers for what it
+owes, drains what it expects) and re-raises, so every rank stops with an error.
+
+Example:
+    >>> loss, grads, report = run_step(step_plan, leaves, inputs, targets)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+import shardfn.memory as mem
+from shardfn.primitives._comm import Axis
+from shardfn.transforms.pipeline._p2p import NONE, OK, Declared, Messenger
+from shardfn.transforms.pipeline.schedules import Action, Schedule, stage_rank
+from shardfn.transforms.pipeline.stage import StagePlan
+
+__all__ = ["Event", "StepPlan", "StepReport", "message_lists", "run_forward", "run_step",
+           "split_microbatches"]
+
+_KINDS = ("act", "grad", "loss", "out")
+
+
+class Event(NamedTuple):
+    """One action as it ran: seconds since the step began, and how long it waited to receive."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+    wait: float
+
+
+class StepReport(NamedTuple):
+    """What a step did on this rank.
+
+    Attributes:
+        events: every action in the order it ran (for timelines).
+        peak_live: stage -> the most micro-batches whose graph (activations) it kept at once.
+        start: ``time.perf_counter()`` when the step began (events are relative to it;
+            ``timeline.from_actions(rank, report.events, offset=report.start)``).
+    """
+
+    events: tuple[Event, ...]
+    peak_live: dict[int, int]
+    start: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """Everything a step needs besides the values: made once by ``pipeline_stages``.
+
+    Attributes:
+        stages: the :class:`~.stage.StagePlan`.
+        schedule: the schedule (``n_microbatches`` is the step's micro-batch count).
+        ax: the resolved pp axis.
+        loss_fn: ``loss_fn(out, targets) -> scalar mean``.
+        forwards: per stage, ``fn(params, x)`` (the stage, possibly under remat).
+        declared: per stage boundary ``s`` (output of stage ``s``), its declared
+            per-micro-batch shape and dtype, or None (exchanged in headers).
+    """
+
+    stages: StagePlan
+    schedule: Schedule
+    ax: Axis
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    forwards: tuple[Callable[[Mapping[str, torch.Tensor], Any], Any], ...]
+    declared: tuple[Declared | None, ...] | None
+
+    @property
+    def rank(self) -> int:
+        return self.ax.index
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages.stages)
+
+    def tag_of(self, key: tuple) -> int:
+        kind, stage, microbatch = key
+        m = self.schedule.n_microbatches
+        return (_KINDS.index(kind) * self.n_stages + stage) * m + microbatch
+
+    def declared_of(self, key: tuple) -> Declared | None:
+        kind, stage, _ = key
+        if self.declared is None or kind not in ("act", "grad"):
+            return None
+        boundary = stage if kind == "act" else stage - 1  # grad of stage s's input
+        found = self.declared[boundary]
+        if kind == "grad" and not (found.dtype.is_floating_point or found.dtype.is_complex):
+            return None  # an integer activation has no gradient: a NONE header alone
+        return found
+
+
+def message_lists(schedule: Schedule, rank: int, actions: Sequence[Action] | None = None
+                  ) -> tuple[list[tuple[tuple, int]], list[tuple[tuple, int]]]:
+    """``(owed, expected)``: every ``(key, peer)`` pp rank ``rank`` sends / receives.
+
+    Args:
+        schedule: the schedule.
+        rank: the pp rank.
+        actions: the actions run (default: the rank's whole schedule, plus the loss).
+    """
+    p, last = schedule.n_ranks, schedule.n_stages - 1
+    owed, expected = [], []
+    for kind, s, i in actions if actions is not None else schedule.actions[rank]:
+        if kind == "F":
+            before, after = ("act", s - 1, i), ("act", s, i)
+            src, dst = s - 1, s + 1
+        elif kind == "B":
+            before, after = ("grad", s + 1, i), ("grad", s, i)
+            src, dst = s + 1, s - 1
+        else:
+            continue
+        if 0 <= src <= last and stage_rank(src, p) != rank:
+            expected.append((before, stage_rank(src, p)))
+        if 0 <= dst <= last and stage_rank(dst, p) != rank:
+            owed.append((after, stage_rank(dst, p)))
+    if actions is None:
+        holder = stage_rank(last, p)
+        if rank == holder:
+            owed += [(("loss", 0, 0), r) for r in range(p) if r != rank]
+        else:
+            expected.append((("loss", 0, 0), holder))
+    return owed, expected
+
+
+def split_microbatches(x: Any, m: int) -> list[Any]:
+    """``m`` pieces of ``x`` on dim 0 (``torch.tensor_split``: sizes differ by at most one)."""
+    if x is None:
+        return [None] * m
+    return list(torch.tensor_split(x, m, dim=0))
+
+
+class _Kept(NamedTuple):
+    x: Any  # the stage's input (a leaf requiring grad when it is floating and s > 0)
+    out: torch.Tensor  # the output, or the scaled loss on the last stage
+    grad_out: torch.Tensor | None  # kept between B and W (split backward)
+
+
+class _Step:
+    """One rank's state during one step (private to :func:`run_step`)."""
+
+    def __init__(self, plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs, targets):
+        self.plan = plan
+        self.leaves = leaves
+        m = plan.schedule.n_microbatches
+        self.inputs = split_microbatches(inputs, m)
+        self.targets = split_microbatches(targets, m)
+        self.batch = inputs.shape[0]
+        self.messenger = Messenger(plan.ax, plan.tag_of, plan.declared_of)
+        self.local: dict[tuple, Any] = {}
+        self.kept: dict[tuple[int, int], _Kept] = {}
+        self.grads = {n: None for st in plan.stages.on_rank(plan.rank) for n in st.trainable}
+        self.loss: torch.Tensor | None = None
+        self.peak_live: dict[int, int] = {st.index: 0 for st in plan.stages.on_rank(plan.rank)}
+        self.events: list[Event] = []
+        self.wait = 0.0
+        self.t0 = time.perf_counter()
+
+    # -- messages -------------------------------------------------------------------------
+    def give(self, kind: str, stage: int, microbatch: int, tensor: torch.Tensor | None) -> None:
+        dst = stage_rank(stage + 1 if kind == "act" else stage - 1, self.plan.schedule.n_ranks)
+        key = (kind, stage, microbatch)
+        if dst == self.plan.rank:
+            self.local[key] = None if tensor is None else tensor.detach()
+        else:
+            self.messenger.send(key, dst, tensor, OK if tensor is not None else NONE)
+
+    def take(self, kind: str, stage: int, microbatch: int) -> torch.Tensor | None:
+        src = stage_rank(stage, self.plan.schedule.n_ranks)
+        key = (kind, stage, microbatch)
+        if src == self.plan.rank:
+            return self.local.pop(key)
+        start = time.perf_counter()
+        try:
+            return self.messenger.recv(key, src)
+        finally:
+            self.wait += time.perf_counter() - start
+
+    # -- actions --------------------------------------------------------------------------
+    def forward(self, s: int, i: int) -> None:
+        plan = self.plan
+        x = self.inputs[i] if s == 0 else self.take("act", s - 1, i)
+        if s > 0 and (x.is_floating_point() or x.is_complex()):
+            x = x.detach().requires_grad_(True)
+        with torch.enable_grad(), mem.category(f"pipeline.stage{s}"):
+            out = plan.forwards[s](self.leaves, x)
+            if s == plan.n_stages - 1:
+                loss = plan.loss_fn(out, self.targets[i])
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise ValueError(f"pipeline loss_fn must return a scalar tensor (the mean "
+                                     f"over the micro-batch), got {_describe(loss)} for "
+                                     f"micro-batch {i}")
+                out = loss * (self.inputs[i].shape[0] / self.batch)
+                self.loss = out.detach() if self.loss is None else self.loss + out.detach()
+        if s < plan.n_stages - 1:
+            self._check_output(s, i, out)
+            self.give("act", s, i, out)
+        self.kept[(s, i)] = _Kept(x, out, None)
+        live = sum(1 for (stage, _) in self.kept if stage == s)
+        self.peak_live[s] = max(self.peak_live[s], live)
+
+    def _check_output(self, s: int, i: int, out: Any) -> None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"pipeline stage {s} returned {_describe(out)} for micro-batch {i}; "
+                            "a stage must return one tensor (the next stage's input)")
+        declared = None if self.plan.declared is None else self.plan.declared[s]
+        if declared is not None and (tuple(out.shape) != tuple(declared.shape)
+                                     or out.dtype != declared.dtype):
+            raise ValueError(f"pipeline stage {s} output for micro-batch {i} has shape "
+                             f"{tuple(out.shape)} {out.dtype}, but shapes= declared "
+                             f"{tuple(declared.shape)} {declared.dtype} (on pp rank "
+                             f"{self.plan.rank})")
+
+    def backward(self, s: int, i: int, weights: bool, inputs: bool = True) -> None:
+        """Input gradient (``inputs``) and/or parameter gradients (``weights``) of (s, i)."""
+        kept = self.kept[(s, i)]
+        last = s == self.plan.n_stages - 1
+        if inputs:
+            grad_out = None if last else self.take("grad", s + 1, i)
+        else:
+            grad_out = kept.grad_out
+        names = self.plan.stages.stages[s].trainable if weights else ()
+        wrt = [kept.x] if inputs and s > 0 and _needs_grad(kept.x) else []
+        wrt += [self.leaves[n] for n in names]
+        found: Sequence[torch.Tensor | None] = [None] * len(wrt)
+        usable = kept.out.requires_grad and (last or grad_out is not None)
+        if wrt and usable:
+            with mem.category(f"pipeline.stage{s}.backward"):
+                found = torch.autograd.grad(kept.out, wrt, grad_outputs=grad_out,
+                                            retain_graph=not weights, allow_unused=True)
+        if inputs and s > 0:
+            self.give("grad", s, i, found[0] if wrt and wrt[0] is kept.x else None)
+        for name, grad in zip(names, found[len(wrt) - len(names):], strict=True):
+            if grad is not None:
+                total = self.grads[name]
+                self.grads[name] = grad if total is None else total + grad
+        if weights:
+            del self.kept[(s, i)]
+        else:
+            self.kept[(s, i)] = kept._replace(grad_out=grad_out)
+
+    def run(self, action: Action) -> None:
+        start, self.wait = time.perf_counter(), 0.0
+        kind, s, i = action
+        if kind == "F":
+            self.forward(s, i)
+        elif kind == "B":
+            self.backward(s, i, weights=not self.plan.schedule.split_backward)
+        elif kind == "W":
+            self.backward(s, i, weights=True, inputs=False)
+        else:
+            raise ValueError(f"pipeline schedule {self.plan.schedule.name!r}: unknown action "
+                             f"kind {kind!r} in {action}")
+        self.events.append(Event(kind, s, i, start - self.t0, time.perf_counter() - self.t0,
+                                 self.wait))
+
+
+def _needs_grad(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _settle_and_raise(step_messenger: Messenger, owed, expected, error: BaseException,
+                      where: str) -> None:
+    try:
+        step_messenger.settle(owed, expected)
+    finally:
+        if hasattr(error, "add_note"):
+            error.add_note(where)
+    raise error
+
+
+def run_step(plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs: torch.Tensor,
+             targets: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor], StepReport]:
+    """Run this rank's actions of ``plan.schedule`` on one batch.
+
+    Args:
+        plan: the step plan.
+        leaves: this rank's leaves; trainable ones must be leaves requiring grad.
+        inputs: the whole batch's inputs (split on dim 0; only stage 0 reads them).
+        targets: the whole batch's targets (split alike; only the last stage reads them).
+
+    Returns:
+        ``(loss, grads, report)``: the loss over the whole batch (on every pp rank),
+        this rank's trainable gradients summed over micro-batches (zeros for unused
+        leaves) and the :class:`StepReport`.
+    """
+    step = _Step(plan, leaves, inputs, targets)
+    owed, expected = message_lists(plan.schedule, plan.rank)
+    action: Action | None = None
+    try:
+        for action in plan.schedule.actions[plan.rank]:
+            step.run(action)
+        holder = stage_rank(plan.n_stages - 1, plan.schedule.n_ranks)
+        if plan.rank == holder:
+            for r in range(plan.schedule.n_ranks):
+                if r != plan.rank:
+                    step.messenger.send(("loss", 0, 0), r, step.loss)
+        else:
+            step.loss = step.messenger.recv(("loss", 0, 0), holder)
+        step.messenger.finish()
+    except BaseException as error:  # every rank settles its messages, then raises
+        where = (f"pipeline step on pp rank {plan.rank}, during {_action_text(action)} of "
+                 f"schedule {plan.schedule.name!r}")
+        _settle_and_raise(step.messenger, owed, expected, error, where)
+    grads = {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in step.grads.items()}
+    return step.loss, grads, StepReport(tuple(step.events), step.peak_live, step.t0)
+
+
+def _action_text(action: Action | None) -> str:
+    if action is None:
+        return "the start"
+    names = {"F": "forward", "B": "backward", "W": "weight gradient"}
+    return f"{names.get(action.kind, action.kind)} of stage {action.stage}, micro-batch " \
+           f"{action.microbatch}"
+
+
+def run_forward(plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs: torch.Tensor
+                ) -> torch.Tensor:
+    """Inference: the forward actions of the schedule, no graph; the output on every pp rank.
+
+    The last stage's outputs (one per micro-batch) are sent to every other pp
+    rank and concatenated on dim 0.
+    """
+    forwards = [a for a in plan.schedule.actions[plan.rank] if a.kind == "F"]
+    step = _Step(plan, leaves, inputs, None)
+    owed, expected = message_lists(plan.schedule, plan.rank, forwards)
+    m, p, last = plan.schedule.n_microbatches, plan.schedule.n_ranks, plan.n_stages - 1
+    holder = stage_rank(last, p)
+    outs: dict[int, torch.Tensor] = {}
+    keys = [("out", 0, i) for i in range(m)]
+    if plan.rank == holder:
+        owed += [(key, r) for key in keys for r in range(p) if r != holder]
+    else:
+        expected += [(key, holder) for key in keys]
+    action: Action | None = None
+    try:
+        with torch.no_grad():
+            for action in forwards:
+                s, i = action.stage, action.microbatch
+                x = step.inputs[i] if s == 0 else step.take("act", s - 1, i)
+                out = plan.forwards[s](leaves, x)
+                if s < last:
+                    step._check_output(s, i, out)
+                    step.give("act", s, i, out)
+                    continue
+                if not isinstance(out, torch.Tensor):
+                    raise TypeError(f"pipeline apply: the last stage returned {_describe(out)} "
+                                    f"for micro-batch {i}; apply needs one tensor")
+                outs[i] = out
+                for r in range(p):
+                    if r != holder:
+                        step.messenger.send(("out", 0, i), r, out)
+            action = None
+            if plan.rank != holder:
+                outs = {i: step.messenger.recv(("out", 0, i), holder) for i in range(m)}
+            step.messenger.finish()
+    except BaseException as error:
+        where = f"pipeline apply on pp rank {plan.rank}, during {_action_text(action)}"
+        _settle_and_raise(step.messenger, owed, expected, error, where)
+    return torch.cat([outs[i] for i in range(m)], dim=0)

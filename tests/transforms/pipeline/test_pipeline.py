@@ -1,0 +1,150 @@
+"""pipeline_stages equals the unsplit nn.Sequential on the whole batch.
+
+For every schedule make_schedule has (the others are skipped until they land),
+on 2 and 4 pp ranks, micro-batch counts 1..8 (uneven splits and counts not
+divisible by the stages included) and random balances: the loss (on every pp
+rank), the gradients, init, gather and apply equal the single-process model's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.testing import assert_close
+
+import shardfn as sf
+from shardfn.transforms.pipeline import pipeline_stages
+from tests.transforms.pipeline._pipeline_models import (
+    ALL_SCHEDULES,
+    batch,
+    mlp_units,
+    mse,
+    reference,
+    schedule_status,
+    virtual_for,
+)
+
+
+def _on_rank(case: dict):
+    torch.manual_seed(0)
+    units = mlp_units(case["n_units"])
+    pp = pipeline_stages(units, sf.Mesh({"pp": case["p"]}), "pp", balance=case["balance"],
+                         schedule=case["schedule"], microbatches=case["m"], loss_fn=mse,
+                         virtual=case["v"])
+    params = pp.init(case["seed"])
+    x, y = batch(case["batch"])
+    loss, grads, report = pp.value_and_grad(params, x, y, report=True)
+    loss2, grads2 = pp.value_and_grad(params, x, y)  # a second step on the same world
+    return {"rank": pp.rank, "names": pp.names, "params": params, "loss": loss, "grads": grads,
+            "loss2": loss2, "grads2": grads2, "full": pp.gather(params),
+            "out": pp.apply(params, x), "layout": pp.layout,
+            "kinds": sorted({e.kind for e in report.events}), "n_events": len(report.events)}
+
+
+def _compositions(total: int, parts: int):
+    """A strategy for ``parts`` positive ints summing to ``total``."""
+    cuts = st.lists(st.integers(1, total - 1), min_size=parts - 1, max_size=parts - 1,
+                    unique=True).map(sorted)
+    return cuts.map(lambda c: [b - a for a, b in zip([0, *c], [*c, total], strict=True)])
+
+
+@pytest.mark.parametrize("schedule", ALL_SCHEDULES)
+@settings(max_examples=4)
+@given(data=st.data(), p=st.sampled_from([2, 4]), m=st.integers(1, 8),
+       extra=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_loss_and_grads_equal_unsplit(worlds, schedule, data, p, m, extra, seed):
+    v = virtual_for(schedule)
+    status = schedule_status(schedule, p, m, v)
+    if status == "missing":
+        pytest.skip(f"make_schedule has no {schedule!r} yet")
+    if status is not None:  # a count this schedule does not allow: it must say so
+        assert "micro" in status.lower(), status
+        return
+    n_stages = p * v
+    n_units = n_stages + extra
+    balance = data.draw(_compositions(n_units, n_stages), label="balance")
+    rows = data.draw(st.integers(m, 2 * m + 3), label="batch")
+    case = {"p": p, "m": m, "v": v, "schedule": schedule, "n_units": n_units,
+            "balance": balance, "seed": seed, "batch": rows}
+    torch.manual_seed(0)
+    units = mlp_units(n_units)
+    params, loss, grads, out = reference(units, seed, *batch(rows))
+    results = worlds(p).run(_on_rank, case)
+    seen = set()
+    for got in results:
+        assert_close(got["loss"], loss)
+        assert_close(got["loss2"], loss)
+        assert set(got["grads"]) == {n for n in got["names"] if n in grads}
+        for name, grad in got["grads"].items():
+            assert_close(grad, grads[name], msg=f"{name} on pp rank {got['rank']}")
+            assert_close(got["grads2"][name], grads[name])
+        for name in got["names"]:
+            assert torch.equal(got["params"][name], params[name]), name
+            assert got["layout"][name] == got["rank"]
+        seen.update(got["names"])
+        assert_close(got["full"], params)
+        assert_close(got["out"], out)
+        kinds = {"F", "B", "W"} if schedule == "zb-h1" else {"F", "B"}
+        assert set(got["kinds"]) == kinds
+    assert seen == set(params)  # every leaf on exactly the rank the layout says
+
+
+def test_one_rank_and_virtual_stages_equal_unsplit(worlds):
+    """p = 1 with virtual stages: every hand-off is local, no message at all."""
+    torch.manual_seed(0)
+    units = mlp_units(5)
+    _, loss, grads, _ = reference(units, 3, *batch(6))
+
+    def on_rank():
+        torch.manual_seed(0)
+        pp = pipeline_stages(mlp_units(5), sf.Mesh({"pp": 1}), balance=[2, 1, 2],
+                             schedule="gpipe", microbatches=4, loss_fn=mse, virtual=3)
+        return pp.value_and_grad(pp.init(3), *batch(6))
+
+    (got_loss, got_grads), = worlds(1).run(on_rank)
+    assert_close(got_loss, loss)
+    assert_close(got_grads, grads)
+
+
+class _Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.ln = nn.LayerNorm(6)
+        self.frozen = nn.Parameter(torch.ones(6), requires_grad=False)
+
+    def forward(self, ids):
+        return self.ln(self.emb(ids)) * self.frozen
+
+
+def _token_units():
+    torch.manual_seed(5)
+    return [_Embed(), nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 6)]
+
+
+def _token_loss(out, target):
+    return nn.functional.cross_entropy(out.reshape(-1, 6), target.reshape(-1))
+
+
+def test_integer_inputs_frozen_and_3d_activations(worlds):
+    """Token ids into stage 0, (batch, seq, d) activations, a frozen leaf (no gradient)."""
+    gen = torch.Generator().manual_seed(1)
+    ids, tgt = torch.randint(0, 11, (5, 4), generator=gen), torch.randint(0, 6, (5, 4),
+                                                                          generator=gen)
+    params, loss, grads, out = reference(_token_units(), 9, ids, tgt, _token_loss)
+
+    def on_rank():
+        pp = pipeline_stages(_token_units(), sf.Mesh({"pp": 2}), balance=[1, 3],
+                             schedule="gpipe", microbatches=3, loss_fn=_token_loss)
+        params = pp.init(9)
+        return (*pp.value_and_grad(params, ids, tgt), pp.apply(params, ids))
+
+    for got_loss, got_grads, got_out in worlds(2).run(on_rank):
+        assert_close(got_loss, loss)
+        assert "0.frozen" not in got_grads
+        for name, grad in got_grads.items():
+            assert_close(grad, grads[name])
+        assert_close(got_out, out)
