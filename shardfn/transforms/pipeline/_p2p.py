@@ -14,8 +14,12 @@ With declared shapes the receiver posts the header and the payload at once;
 the sender then always sends a payload of the declared shape (zeros after an
 error), so both sides post the same messages.
 
-Tags: message ``k`` of a call uses tags ``base + 2k`` (header) and ``base + 2k + 1``
-(payload), from :data:`PIPELINE` (a block after ``shard_params``' tags).
+An error header is followed by the error's text (UTF-8 bytes, its length in the
+header), so every rank's error says what went wrong first and where.
+
+Tags: message ``k`` of a call uses tags ``base + 3k`` (header), ``base + 3k + 1``
+(payload) and ``base + 3k + 2`` (error text), from :data:`PIPELINE` (a block after
+``shard_params``' tags).
 Sends are non-blocking (``batch_isend_irecv``) and waited by :meth:`Messenger.finish`;
 receives block. Nothing here is differentiable: the runtime detaches first.
 
@@ -46,6 +50,7 @@ PIPELINE = TagBlock("pipeline_stages messages", UNITS.start + UNITS.size, 1 << 2
 OK, ERROR, NONE = 0, 1, 2
 _MAX_DIMS = 8
 _HEADER_LEN = 3 + _MAX_DIMS
+_MAX_TEXT = 4096  # bytes of an error's text sent with its header
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
            torch.complex128)
@@ -103,35 +108,44 @@ class Messenger:
         self.sent: set[tuple[Key, int]] = set()
         self.received: set[tuple[Key, int]] = set()
 
-    def _tags(self, key: Key) -> tuple[int, int]:
+    def _tags(self, key: Key) -> tuple[int, int, int]:
         k = self.tag_of(key)
-        if not 0 <= 2 * k + 1 < PIPELINE.size:
+        if not 0 <= 3 * k + 2 < PIPELINE.size:
             raise ValueError(f"pipeline message {key} needs tag number {k}, beyond the "
-                             f"{PIPELINE.size // 2} the pipeline's tag block holds; use fewer "
+                             f"{PIPELINE.size // 3} the pipeline's tag block holds; use fewer "
                              "stages or micro-batches")
-        return PIPELINE.start + 2 * k, PIPELINE.start + 2 * k + 1
+        return tuple(PIPELINE.start + 3 * k + j for j in range(3))
 
     def _post(self, ops: list, description: str) -> list:
         with stats.collective_scope(self.ax.describe(description)):
             return [w for w in dist.batch_isend_irecv(ops) if w is not None]
 
-    def send(self, key: Key, dst: int, tensor: torch.Tensor | None, status: int = OK) -> None:
+    def send(self, key: Key, dst: int, tensor: torch.Tensor | None, status: int = OK,
+             error: str = "") -> None:
         """Post ``tensor`` (or a header of ``status`` alone) to axis index ``dst``; not waited.
 
         With a declared payload the declared shape is always sent (zeros when
         ``tensor`` is None); the caller has checked that ``tensor`` matches it.
+        With ``status=ERROR`` the text ``error`` follows.
         """
         declared = self.declared(key)
-        header_tag, payload_tag = self._tags(key)
+        header_tag, payload_tag, text_tag = self._tags(key)
         payload = None if status != OK else tensor.detach().contiguous()
         if declared is not None and payload is None:
             payload = torch.zeros(declared.shape, dtype=declared.dtype)
-        ops = [dist.P2POp(dist.isend, _header(status, tensor if status == OK else None),
-                          group=self.ax.group, group_peer=dst, tag=header_tag)]
+        header = _header(status, tensor if status == OK else None)
+        ops = [dist.P2POp(dist.isend, header, group=self.ax.group, group_peer=dst,
+                          tag=header_tag)]
         if payload is not None:
             stats.record(self.ax.key, "pipeline_send", payload.numel() * payload.element_size())
             ops.append(dist.P2POp(dist.isend, payload, group=self.ax.group, group_peer=dst,
                                   tag=payload_tag))
+        if status == ERROR:
+            text = torch.frombuffer(bytearray(error.encode()[:_MAX_TEXT] or b" "),
+                                    dtype=torch.uint8)
+            header[3] = text.numel()
+            ops.append(dist.P2POp(dist.isend, text, group=self.ax.group, group_peer=dst,
+                                  tag=text_tag))
         works = self._post(ops, f"pipeline send {key} to pp {dst}")
         self.pending.append((works, [op.tensor for op in ops]))
         self.sent.add((key, dst))
@@ -143,7 +157,7 @@ class Messenger:
             PeerFailed: the sender failed (it sent an error header).
         """
         declared = self.declared(key)
-        header_tag, payload_tag = self._tags(key)
+        header_tag, payload_tag, text_tag = self._tags(key)
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
         ops = [dist.P2POp(dist.irecv, header, group=self.ax.group, group_peer=src,
                           tag=header_tag)]
@@ -159,16 +173,23 @@ class Messenger:
         status, shape, dtype = _decode(header)
         if declared is None and status == OK:
             payload = torch.empty(shape, dtype=dtype)
-            op = dist.P2POp(dist.irecv, payload, group=self.ax.group, group_peer=src,
-                            tag=payload_tag)
-            for work in self._post([op], description):
-                with stats.collective_scope(self.ax.describe(description)):
-                    work.wait()
+            self._receive(payload, src, payload_tag, description)
+        text = ""
+        if status == ERROR:
+            raw = torch.empty(int(header[3]), dtype=torch.uint8)
+            self._receive(raw, src, text_tag, description)
+            text = bytes(raw.tolist()).decode(errors="replace").strip()
         self.received.add((key, src))
         if status == ERROR:
-            raise PeerFailed(f"pp rank {src} failed during this pipeline call (message {key}); "
-                             "its own error says why")
+            raise PeerFailed(f"pp rank {src} failed during this pipeline call (message {key}): "
+                             f"{text}")
         return payload if status == OK else None
+
+    def _receive(self, buffer: torch.Tensor, src: int, tag: int, description: str) -> None:
+        op = dist.P2POp(dist.irecv, buffer, group=self.ax.group, group_peer=src, tag=tag)
+        for work in self._post([op], description):
+            with stats.collective_scope(self.ax.describe(description)):
+                work.wait()
 
     def finish(self) -> None:
         """Wait for every send posted so far."""
@@ -178,7 +199,8 @@ class Messenger:
                 with stats.collective_scope(self.ax.describe("pipeline send")):
                     work.wait()
 
-    def settle(self, owed: Iterable[tuple[Key, int]], expected: Iterable[tuple[Key, int]]) -> None:
+    def settle(self, owed: Iterable[tuple[Key, int]], expected: Iterable[tuple[Key, int]],
+               error: str) -> None:
         """After a failure: send an error header for every message still owed, receive
         (and drop) every message still expected, and wait for all sends.
 
@@ -188,10 +210,11 @@ class Messenger:
         Args:
             owed: ``(key, dst)`` of every message this rank sends in the call.
             expected: ``(key, src)`` of every message it receives in the call.
+            error: what went wrong (sent with each error header).
         """
         for key, dst in owed:
             if (key, dst) not in self.sent:
-                self.send(key, dst, None, status=ERROR)
+                self.send(key, dst, None, status=ERROR, error=error)
         for key, src in expected:
             if (key, src) not in self.received:
                 try:

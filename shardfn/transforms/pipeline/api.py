@@ -27,7 +27,8 @@ from shardfn.primitives import collectives
 from shardfn.primitives._comm import resolve
 from shardfn.transforms.pipeline._p2p import Declared, Messenger
 from shardfn.transforms.pipeline.runtime import StepPlan, StepReport, run_forward, run_step
-from shardfn.transforms.pipeline.schedules import Schedule, make_schedule
+from shardfn.transforms.pipeline.schedules import SCHEDULES, Schedule, make_schedule
+from shardfn.transforms.pipeline.simulate import validate
 from shardfn.transforms.pipeline.stage import (
     Stage,
     as_units,
@@ -35,10 +36,7 @@ from shardfn.transforms.pipeline.stage import (
     plan_stages,
 )
 
-__all__ = ["SCHEDULES", "PipelineModel", "pipeline_stages"]
-
-#: the schedule names ``pipeline_stages`` knows (``make_schedule`` may not have all yet)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+__all__ = ["PipelineModel", "pipeline_stages"]
 
 Params = dict[str, torch.Tensor]
 
@@ -243,22 +241,6 @@ def _declared(shapes: Any, n_boundaries: int) -> tuple[Declared, ...] | None:
     return tuple(one(e) for e in entries)
 
 
-def _check_schedule(schedule: Schedule, n_stages: int) -> None:
-    """Each stage's F and B (and W) for every micro-batch, once, on the stage's rank."""
-    from shardfn.transforms.pipeline.schedules import stage_rank
-
-    kinds = "FBW" if schedule.split_backward else "FB"
-    m = schedule.n_microbatches
-    want = sorted((k, s, i) for k in kinds for s in range(n_stages) for i in range(m))
-    got = sorted(tuple(a) for acts in schedule.actions for a in acts)
-    wrong = [a for r, acts in enumerate(schedule.actions) for a in acts
-             if stage_rank(a.stage, schedule.n_ranks) != r]
-    if got != want or wrong:
-        raise ValueError(f"schedule {schedule.name!r} is malformed: it must run each stage's "
-                         f"{'/'.join(kinds)} for every micro-batch once, on the stage's rank"
-                         + (f" (misplaced: {wrong[:3]})" if wrong else ""))
-
-
 def _resolve_balance(balance: Any, units: Sequence[nn.Module], n_stages: int,
                      sample: Any) -> tuple[int, ...]:
     if balance in ("params", "time"):
@@ -295,7 +277,8 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
         balance: units per stage (``p * virtual`` positive counts summing to the
             number of units), or ``"params"`` / ``"time"`` (by parameter count /
             measured time; ``sample`` is the input to time with).
-        schedule: one of :data:`SCHEDULES`.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``
+            (:data:`~.schedules.SCHEDULES`).
         microbatches: micro-batches per step ``m``.
         loss_fn: ``loss_fn(out, targets) -> scalar``, a mean over the micro-batch.
         virtual: stages per rank (interleaved schedules).
@@ -324,7 +307,7 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
     """
     units = as_units(model)
     if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {list(SCHEDULES)}")
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {sorted(SCHEDULES)}")
     for name, value in (("microbatches", microbatches), ("virtual", virtual)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"pipeline_stages: {name} must be an int >= 1, got {value!r}")
@@ -339,7 +322,7 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
     n_stages = ax.size * virtual
     counts = _resolve_balance(balance, units, n_stages, sample)
     plan = make_schedule(schedule, ax.size, microbatches, virtual)
-    _check_schedule(plan, n_stages)
+    validate(plan)  # a malformed schedule would hang: refuse it here
     stage_plan = plan_stages(units, counts, ax.size)
     forwards = tuple(_stage_forward(stage_plan, stage, remat) for stage in stage_plan.stages)
     step = StepPlan(stage_plan, plan, ax, loss_fn, forwards, _declared(shapes, n_stages - 1))

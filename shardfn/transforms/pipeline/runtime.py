@@ -32,7 +32,7 @@ import torch
 
 import shardfn.memory as mem
 from shardfn.primitives._comm import Axis
-from shardfn.transforms.pipeline._p2p import NONE, OK, Declared, Messenger
+from shardfn.transforms.pipeline._p2p import NONE, OK, Declared, Messenger, PeerFailed
 from shardfn.transforms.pipeline.schedules import Action, Schedule, stage_rank
 from shardfn.transforms.pipeline.stage import StagePlan
 
@@ -290,8 +290,10 @@ def _describe(value: Any) -> str:
 
 def _settle_and_raise(step_messenger: Messenger, owed, expected, error: BaseException,
                       where: str) -> None:
+    text = str(error) if isinstance(error, PeerFailed) else \
+        f"{type(error).__name__}: {error} (in {where})"
     try:
-        step_messenger.settle(owed, expected)
+        step_messenger.settle(owed, expected, text)
     finally:
         if hasattr(error, "add_note"):
             error.add_note(where)
