@@ -22,3 +22,4 @@ test: lint
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/bench_dp.py
+	$(PY) benchmarks/bench_pp.py
