@@ -104,7 +104,8 @@ class Messenger:
         self.ax = ax
         self.tag_of = tag_of
         self.declared = declared
-        self.pending: list = []  # (work, tensors kept alive until it is waited)
+        #: (key, dst) -> (works, tensors kept alive until they are waited), in posting order
+        self.pending: dict[tuple[Key, int], tuple[list, list]] = {}
         self.sent: set[tuple[Key, int]] = set()
         self.received: set[tuple[Key, int]] = set()
 
@@ -147,7 +148,7 @@ class Messenger:
             ops.append(dist.P2POp(dist.isend, text, group=self.ax.group, group_peer=dst,
                                   tag=text_tag))
         works = self._post(ops, f"pipeline send {key} to pp {dst}")
-        self.pending.append((works, [op.tensor for op in ops]))
+        self.pending[(key, dst)] = (works, [op.tensor for op in ops])
         self.sent.add((key, dst))
 
     def recv(self, key: Key, src: int) -> torch.Tensor | None:
@@ -193,11 +194,15 @@ class Messenger:
 
     def finish(self) -> None:
         """Wait for every send posted so far."""
-        pending, self.pending = self.pending, []
-        for works, _ in pending:
-            for work in works:
-                with stats.collective_scope(self.ax.describe("pipeline send")):
-                    work.wait()
+        for sent in list(self.pending):
+            self.wait_sent(*sent)
+
+    def wait_sent(self, key: Key, dst: int) -> None:
+        """Wait for the send of ``key`` to ``dst`` (if still pending) and drop its tensors."""
+        works, _ = self.pending.pop((key, dst), ([], []))
+        for work in works:
+            with stats.collective_scope(self.ax.describe(f"pipeline send {key} to pp {dst}")):
+                work.wait()
 
     def settle(self, owed: Iterable[tuple[Key, int]], expected: Iterable[tuple[Key, int]],
                error: str) -> None:

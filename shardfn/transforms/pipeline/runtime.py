@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -33,11 +34,11 @@ import torch
 import shardfn.memory as mem
 from shardfn.primitives._comm import Axis
 from shardfn.transforms.pipeline._p2p import NONE, OK, Declared, Messenger, PeerFailed
+from shardfn.transforms.pipeline.messages import message_lists, release_points
 from shardfn.transforms.pipeline.schedules import Action, Schedule, stage_rank
 from shardfn.transforms.pipeline.stage import StagePlan
 
-__all__ = ["Event", "StepPlan", "StepReport", "message_lists", "run_forward", "run_step",
-           "split_microbatches"]
+__all__ = ["Event", "StepPlan", "StepReport", "run_forward", "run_step", "split_microbatches"]
 
 _KINDS = ("act", "grad", "loss", "out")
 
@@ -59,12 +60,15 @@ class StepReport(NamedTuple):
     Attributes:
         events: every action in the order it ran (for timelines).
         peak_live: stage -> the most micro-batches whose graph (activations) it kept at once.
+        peak_held: the most graphs this rank (all its stages) kept at once
+            (``simulate(schedule).peak_held[rank]``).
         start: ``time.perf_counter()`` when the step began (events are relative to it;
             ``timeline.from_actions(rank, report.events, offset=report.start)``).
     """
 
     events: tuple[Event, ...]
     peak_live: dict[int, int]
+    peak_held: int
     start: float
 
 
@@ -102,6 +106,16 @@ class StepPlan:
         m = self.schedule.n_microbatches
         return (_KINDS.index(kind) * self.n_stages + stage) * m + microbatch
 
+    @functools.cached_property
+    def releases(self) -> dict[tuple, tuple[tuple, ...]]:
+        """``(key, src)`` received -> this rank's sends that are surely complete by then.
+
+        The peer sent ``key`` after receiving those (its schedule says so), so
+        waiting for them then does not block: the send buffers are freed early,
+        not at the step's end (on gloo a send is not done until waited).
+        """
+        return release_points(self.schedule, self.rank)
+
     def declared_of(self, key: tuple) -> Declared | None:
         kind, stage, _ = key
         if self.declared is None or kind not in ("act", "grad"):
@@ -111,39 +125,6 @@ class StepPlan:
         if kind == "grad" and not (found.dtype.is_floating_point or found.dtype.is_complex):
             return None  # an integer activation has no gradient: a NONE header alone
         return found
-
-
-def message_lists(schedule: Schedule, rank: int, actions: Sequence[Action] | None = None
-                  ) -> tuple[list[tuple[tuple, int]], list[tuple[tuple, int]]]:
-    """``(owed, expected)``: every ``(key, peer)`` pp rank ``rank`` sends / receives.
-
-    Args:
-        schedule: the schedule.
-        rank: the pp rank.
-        actions: the actions run (default: the rank's whole schedule, plus the loss).
-    """
-    p, last = schedule.n_ranks, schedule.n_stages - 1
-    owed, expected = [], []
-    for kind, s, i in actions if actions is not None else schedule.actions[rank]:
-        if kind == "F":
-            before, after = ("act", s - 1, i), ("act", s, i)
-            src, dst = s - 1, s + 1
-        elif kind == "B":
-            before, after = ("grad", s + 1, i), ("grad", s, i)
-            src, dst = s + 1, s - 1
-        else:
-            continue
-        if 0 <= src <= last and stage_rank(src, p) != rank:
-            expected.append((before, stage_rank(src, p)))
-        if 0 <= dst <= last and stage_rank(dst, p) != rank:
-            owed.append((after, stage_rank(dst, p)))
-    if actions is None:
-        holder = stage_rank(last, p)
-        if rank == holder:
-            owed += [(("loss", 0, 0), r) for r in range(p) if r != rank]
-        else:
-            expected.append((("loss", 0, 0), holder))
-    return owed, expected
 
 
 def split_microbatches(x: Any, m: int) -> list[Any]:
@@ -175,6 +156,8 @@ class _Step:
         self.grads = {n: None for st in plan.stages.on_rank(plan.rank) for n in st.trainable}
         self.loss: torch.Tensor | None = None
         self.peak_live: dict[int, int] = {st.index: 0 for st in plan.stages.on_rank(plan.rank)}
+        self.peak_held = 0
+        self.owned: set[str] = set()  # gradients summed into a tensor of our own (in place)
         self.events: list[Event] = []
         self.wait = 0.0
         self.t0 = time.perf_counter()
@@ -195,17 +178,24 @@ class _Step:
             return self.local.pop(key)
         start = time.perf_counter()
         try:
-            return self.messenger.recv(key, src)
+            value = self.messenger.recv(key, src)
         finally:
             self.wait += time.perf_counter() - start
+        for sent in self.plan.releases.get((key, src), ()):
+            self.messenger.wait_sent(*sent)
+        return value
 
     # -- actions --------------------------------------------------------------------------
     def forward(self, s: int, i: int) -> None:
+        with mem.category(f"pipeline.stage{s}"):  # what the kept graph holds, input included
+            self._forward(s, i)
+
+    def _forward(self, s: int, i: int) -> None:
         plan = self.plan
         x = self.inputs[i] if s == 0 else self.take("act", s - 1, i)
         if s > 0 and (x.is_floating_point() or x.is_complex()):
             x = x.detach().requires_grad_(True)
-        with torch.enable_grad(), mem.category(f"pipeline.stage{s}"):
+        with torch.enable_grad():
             out = plan.forwards[s](self.leaves, x)
             if s == plan.n_stages - 1:
                 loss = plan.loss_fn(out, self.targets[i])
@@ -221,6 +211,7 @@ class _Step:
         self.kept[(s, i)] = _Kept(x, out, None)
         live = sum(1 for (stage, _) in self.kept if stage == s)
         self.peak_live[s] = max(self.peak_live[s], live)
+        self.peak_held = max(self.peak_held, len(self.kept))
 
     def _check_output(self, s: int, i: int, out: Any) -> None:
         if not isinstance(out, torch.Tensor):
@@ -254,9 +245,16 @@ class _Step:
         if inputs and s > 0:
             self.give("grad", s, i, found[0] if wrt and wrt[0] is kept.x else None)
         for name, grad in zip(names, found[len(wrt) - len(names):], strict=True):
-            if grad is not None:
-                total = self.grads[name]
-                self.grads[name] = grad if total is None else total + grad
+            if grad is None:
+                continue
+            total = self.grads[name]
+            if total is None:
+                self.grads[name] = grad  # autograd's: may alias a tensor we do not own
+            elif name in self.owned:
+                total.add_(grad)
+            else:
+                self.grads[name] = total + grad
+                self.owned.add(name)
         if weights:
             del self.kept[(s, i)]
         else:
@@ -334,7 +332,7 @@ def run_step(plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs: torch.T
                  f"schedule {plan.schedule.name!r}")
         _settle_and_raise(step.messenger, owed, expected, error, where)
     grads = {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in step.grads.items()}
-    return step.loss, grads, StepReport(tuple(step.events), step.peak_live, step.t0)
+    return step.loss, grads, StepReport(tuple(step.events), step.peak_live, step.peak_held, step.t0)
 
 
 def _action_text(action: Action | None) -> str:
