@@ -315,7 +315,7 @@ def plot(events: Sequence[TimelineEvent], path: str | Path, title: str | None = 
     kinds = [k for k in COMPUTE + WAITS if any(e.kind == k for e in events)]
     names = dict(_NAMES, B="input grad") if "W" in kinds else _NAMES
     ax.legend(handles=[Patch(color=_COLOURS[k], label=names[k]) for k in kinds],
-              loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 3 else -0.15),
+              loc="upper center", bbox_to_anchor=(0.5, -0.6 / (0.7 * len(ranks))),
               ncol=len(kinds), frameon=False, fontsize=8)
     if title is None and any(e.kind in COMPUTE for e in events):
         title = f"measured bubble {measured_bubble(events, n_ranks):.1%}"
