@@ -1,0 +1,106 @@
+"""pipeline_stages composed: pp x dp training equals one process; remat per stage.
+
+* mesh {"pp": 2, "dp": 2}: each dp replica pipelines its half of the batch, and
+  ``dp_axis="dp"`` averages gradients and loss once per step; 5 AdamW steps give
+  the single-process parameters (gathered with ``pp.gather``) and losses.
+* ``remat=policy``: each stage's forward recomputed in backward gives the same
+  gradients and keeps fewer activation bytes per stage (sf.memory).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+import shardfn as sf
+import shardfn.memory as mem
+from shardfn.transforms.pipeline import pipeline_stages
+from tests.transforms.pipeline._pipeline_models import batch, mlp_units, mse, reference
+
+STEPS = 5
+
+
+def _single_process_training(seed: int, x: torch.Tensor, y: torch.Tensor):
+    model = sf.functional(nn.Sequential(*mlp_units(6)))
+    params = model.init(seed)
+    opt = sf.optim.adamw(1e-2, weight_decay=0.1)
+    state = opt.init(params)
+    losses = []
+    for _ in range(STEPS):
+        grads, loss = torch.func.grad_and_value(lambda p: mse(model.apply(p, x), y))(params)
+        updates, state = opt.update(grads, state, params)
+        params = sf.optim.apply_updates(params, updates)
+        losses.append(loss)
+    return params, losses
+
+
+def _pp_dp_training(schedule: str, seed: int, x: torch.Tensor, y: torch.Tensor):
+    mesh = sf.Mesh({"pp": 2, "dp": 2})
+    pp = pipeline_stages(mlp_units(6), mesh, "pp", balance=[3, 3], schedule=schedule,
+                         microbatches=3, loss_fn=mse, dp_axis="dp")
+    rows = x.shape[0] // 2
+    mine = slice(mesh.index("dp") * rows, (mesh.index("dp") + 1) * rows)
+    params = pp.init(seed)
+    opt = sf.optim.adamw(1e-2, weight_decay=0.1)
+    state = opt.init(params)
+    losses = []
+    for _ in range(STEPS):
+        loss, grads = pp.value_and_grad(params, x[mine], y[mine])
+        updates, state = opt.update(grads, state, params)
+        params = sf.optim.apply_updates(params, updates)
+        losses.append(loss)
+    return pp.gather(params), losses
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_pp_x_dp_adamw_steps_equal_one_process(worlds, schedule):
+    x, y = batch(12, seed=3)
+    expected_params, expected_losses = _single_process_training(4, x, y)
+    for params, losses in worlds(4).run(_pp_dp_training, schedule, 4, x, y):
+        assert_close(losses, expected_losses)
+        assert_close(params, expected_params)
+
+
+def test_pp_x_dp_without_the_reduction_differs(worlds):
+    """The check above can fail: each replica's own gradient is not the full-batch one."""
+    x, y = batch(12, seed=3)
+    _, loss, grads, _ = reference(mlp_units(6), 4, x, y)
+
+    def on_rank():
+        mesh = sf.Mesh({"pp": 2, "dp": 2})
+        pp = pipeline_stages(mlp_units(6), mesh, "pp", balance=[3, 3], schedule="1f1b",
+                             microbatches=2, loss_fn=mse)
+        mine = slice(mesh.index("dp") * 6, (mesh.index("dp") + 1) * 6)
+        return pp.value_and_grad(pp.init(4), x[mine], y[mine])
+
+    for got_loss, got_grads in worlds(4).run(on_rank):
+        assert not torch.allclose(got_loss, loss)
+        assert any(not torch.allclose(g, grads[n]) for n, g in got_grads.items())
+
+
+def _remat_case(policy):
+    def on_rank():
+        pp = pipeline_stages(mlp_units(6, d=32), sf.Mesh({"pp": 2}), balance=[3, 3],
+                             schedule="gpipe", microbatches=4, loss_fn=mse, remat=policy)
+        params = pp.init(2)
+        with mem.track() as tracker:
+            loss, grads = pp.value_and_grad(params, *batch(16))
+        return loss, grads, tracker.max_by_category[f"pipeline.stage{pp.rank}"]
+    return on_rank
+
+
+def test_remat_per_stage_same_gradients_less_memory(worlds):
+    _, loss, grads, _ = reference(mlp_units(6, d=32), 2, *batch(16))
+    plain = worlds(2).run(_remat_case(None))
+    remat = worlds(2).run(_remat_case(sf.checkpoint_policies.nothing_saveable))
+    for (plain_loss, plain_grads, plain_bytes), (r_loss, r_grads, r_bytes) in zip(
+            plain, remat, strict=True):
+        for got_loss, got_grads in ((plain_loss, plain_grads), (r_loss, r_grads)):
+            assert_close(got_loss, loss)
+            for name, grad in got_grads.items():
+                assert_close(grad, grads[name])
+        # GPipe keeps 4 micro-batches; with remat each keeps its stage's output only, not
+        # the Tanh outputs inside (measured: 2824 against 4448 bytes, 3232 against 6452)
+        assert r_bytes < 0.75 * plain_bytes, (r_bytes, plain_bytes)
