@@ -99,6 +99,11 @@ def loss_of(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
+def schedule_of(key: str) -> str:
+    """The schedule a system key runs (``"sf-1f1b"`` -> ``"1f1b"``)."""
+    return "1f1b" if key == "sf-wrong" else key.split("-", 1)[1]
+
+
 def virtual_of(name: str, cfg: Config) -> int:
     return cfg.virtual if name == "interleaved" else 1
 
@@ -199,7 +204,7 @@ def _torch_system(ctx: Context, name: str) -> System:
 # ----------------------------------------------------------------------------- shardfn
 
 
-def _sf_system(ctx: Context, name: str) -> System:
+def _sf_system(ctx: Context, name: str, wrong: bool = False) -> System:
     import shardfn as sf
     from shardfn.transforms.pipeline import pipeline_stages  # sf.pipeline_stages once exported
 
@@ -219,8 +224,10 @@ def _sf_system(ctx: Context, name: str) -> System:
     def step(i: int) -> None:
         x, y = ctx.batches[i]
         _, grads, report = pp.value_and_grad(params, x, y, report=True)
+        if wrong:  # the micro-batch sum without the 1/m: the gradient column must show it
+            grads = {k: g * ctx.cfg.microbatches for k, g in grads.items()}
         last["grads"] = grads
-        ctx.record(f"sf-{name}", i, from_actions(ctx.rank, report.events,
+        ctx.record("sf-wrong" if wrong else f"sf-{name}", i, from_actions(ctx.rank, report.events,
                                                  offset=getattr(report, "t0", 0.0)))
 
     return System(step, lambda: _memory(params.values(), last["grads"].values()),
@@ -236,6 +243,8 @@ def _register(name: str) -> None:
 
 for _name in SCHEDULE_NAMES:
     _register(_name)
+SYSTEMS.register("sf-wrong", "deliberately wrong: shardfn 1F1B gradients times m",
+                 default=False)(lambda ctx: _sf_system(ctx, "1f1b", wrong=True))
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -255,8 +264,8 @@ def _bubbles(ctx: Context, keys: list[str], img_dir: Path | None) -> dict[str, d
         times = {kind: statistics.median([e.end - e.start for events in merged for e in events
                                           if e.kind == kind] or [0.0]) for kind in COMPUTE}
         info = {"bubble": statistics.median(bubbles), "times": times}
-        if img_dir is not None:
-            name = key.split("-", 1)[1]
+        if img_dir is not None and key != "sf-wrong":
+            name = schedule_of(key)
             file = f"pipeline_timeline_{name}.png" if key.startswith("sf-") else \
                 f"pipeline_timeline_torch_{name}.png"
             title = (f"{SYSTEMS.label(key)}: {ctx.world} ranks, {ctx.cfg.microbatches} "
@@ -289,7 +298,7 @@ def table(results, bubbles: dict[str, dict], cfg: Config, p: int) -> str:
              "| theory | simulated (measured F/B/W) | max rel diff of grads vs torch GPipe |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        name = r.key.split("-", 1)[1]
+        name = schedule_of(r.key)
         if r.error or not r.times_s:
             lines.append(f"| {name} | {r.label} | failed: {r.error or 'no steps'} "
                          "| | | | | | |")
@@ -319,6 +328,7 @@ def rank_main(args: argparse.Namespace):
     log = (lambda msg: print(msg, flush=True)) if ctx.rank == 0 else (lambda msg: None)
     t0 = time.perf_counter()
     keys = [f"{side}-{name}" for name in args.schedules for side in ("torch", "sf")]
+    keys += ["sf-wrong"] if args.wrong else []
     reference = "torch-gpipe" if "gpipe" in args.schedules else keys[0]
     results = run_interleaved(ctx, SYSTEMS, keys, warmup=args.warmup, steps=args.steps,
                               reference=reference, log=log)
@@ -335,6 +345,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULE_NAMES),
                         choices=SCHEDULE_NAMES, help="schedules to run, in table order")
     parser.add_argument("--quick", action="store_true", help="tiny model: a smoke test")
+    parser.add_argument("--wrong", action="store_true",
+                        help="add a deliberately wrong row (1F1B gradients times m) to show "
+                             "the gradient column catches it")
     parser.add_argument("--img-dir", default=None,
                         help="where the timeline PNGs go (default docs/img; --quick: a "
                              "temporary directory)")
