@@ -23,7 +23,7 @@ from torch import nn
 
 from shardfn.functional import FunctionalModel
 from shardfn.mesh import Mesh
-from shardfn.primitives import collectives
+from shardfn.primitives import _comm, collectives
 from shardfn.primitives._comm import resolve
 from shardfn.transforms.pipeline._p2p import Declared, Messenger
 from shardfn.transforms.pipeline.runtime import StepPlan, StepReport, run_forward, run_step
@@ -242,15 +242,20 @@ def _declared(shapes: Any, n_boundaries: int) -> tuple[Declared, ...] | None:
 
 
 def _resolve_balance(balance: Any, units: Sequence[nn.Module], n_stages: int,
-                     sample: Any) -> tuple[int, ...]:
-    if balance in ("params", "time"):
+                     sample: Any, mesh: Mesh) -> tuple[int, ...]:
+    if isinstance(balance, str) and balance in ("params", "time"):
         try:
             from shardfn.transforms.pipeline.balance import balance_units
         except ImportError as error:
             raise NotImplementedError(f"balance={balance!r} needs shardfn.transforms.pipeline"
                                       ".balance, not written yet: pass a list of unit counts"
                                       ) from error
-        balance = balance_units(list(units), n_stages, by=balance, sample=sample)
+        by = balance
+        balance = balance_units(list(units), n_stages, by=by, sample=sample)
+        if by == "time" and mesh.size() > 1:  # timings differ by rank: mesh index 0 decides
+            every = resolve(mesh.axis_names, mesh)
+            counts = torch.tensor(list(balance), dtype=torch.int64)
+            balance = [int(c) for c in _comm.broadcast(counts, every, 0).tolist()]
     return check_balance(balance, len(units), n_stages)
 
 
@@ -320,7 +325,7 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
         raise TypeError("pipeline_stages: loss_fn must be callable(out, targets) -> scalar")
     ax = resolve(axis, mesh)
     n_stages = ax.size * virtual
-    counts = _resolve_balance(balance, units, n_stages, sample)
+    counts = _resolve_balance(balance, units, n_stages, sample, mesh)
     plan = make_schedule(schedule, ax.size, microbatches, virtual)
     validate(plan)  # a malformed schedule would hang: refuse it here
     stage_plan = plan_stages(units, counts, ax.size)

@@ -148,3 +148,28 @@ def test_integer_inputs_frozen_and_3d_activations(worlds):
         for name, grad in got_grads.items():
             assert_close(grad, grads[name])
         assert_close(got_out, out)
+
+
+@pytest.mark.parametrize("by", ["params", "time"])
+def test_balance_by_params_or_time(worlds, by):
+    """balance="params"/"time" takes balance.balance_units' counts; the step is still exact."""
+    balance = pytest.importorskip("shardfn.transforms.pipeline.balance")
+    torch.manual_seed(0)
+    units = [nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 32), nn.Linear(32, 4), nn.Tanh(),
+             nn.Linear(4, 3)]
+    x, y = batch(6)
+    _, loss, grads, _ = reference(units, 1, x, y)
+
+    def on_rank():
+        pp = pipeline_stages(units, sf.Mesh({"pp": 2}), balance=by, schedule="1f1b",
+                             microbatches=2, loss_fn=mse, sample=x[:3])
+        return pp.balance, *pp.value_and_grad(pp.init(1), x, y)
+
+    results = worlds(2).run(on_rank)
+    if by == "params":
+        assert results[0][0] == tuple(balance.balance_units(units, 2, "params"))
+    for counts, got_loss, got_grads in results:
+        assert counts == results[0][0] and sum(counts) == len(units)
+        assert_close(got_loss, loss)
+        for name, grad in got_grads.items():
+            assert_close(grad, grads[name])
