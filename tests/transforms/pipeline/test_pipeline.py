@@ -173,3 +173,25 @@ def test_balance_by_params_or_time(worlds, by):
         assert_close(got_loss, loss)
         for name, grad in got_grads.items():
             assert_close(grad, grads[name])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_communication_volume(worlds, schedule):
+    """Per step: each boundary sends every micro-batch's activation forward and its gradient
+    back; the last stage sends the 4-byte loss to the other ranks. Nothing else."""
+    rows, width = 7, 8
+
+    def on_rank():
+        pp = pipeline_stages(mlp_units(8, d=width), sf.Mesh({"pp": 4}), balance=[2] * 4,
+                             schedule=schedule, microbatches=3, loss_fn=mse)
+        params = pp.init(0)
+        sf.reset_comm_stats()
+        pp.value_and_grad(params, *batch(rows))
+        return pp.rank, sf.comm_stats().op_bytes("pipeline_send")
+
+    activation = rows * width * 4  # all micro-batches of one boundary, float32
+    for rank, sent in worlds(4).run(on_rank):
+        forward = activation if rank < 3 else 0
+        backward = activation if rank > 0 else 0
+        loss = 3 * 4 if rank == 3 else 0
+        assert sent == forward + backward + loss, (rank, sent)
