@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardfn.functional import FunctionalModel
+from shardfn import spec
+from shardfn.functional import FunctionalModel, functional
 from shardfn.mesh import Mesh
 from shardfn.primitives import _comm, collectives
 from shardfn.primitives._comm import resolve
@@ -34,6 +35,7 @@ from shardfn.transforms.pipeline.stage import (
     as_units,
     check_balance,
     plan_stages,
+    stage_module,
 )
 
 __all__ = ["PipelineModel", "pipeline_stages"]
@@ -50,12 +52,15 @@ class PipelineModel:
         axis: the pp axis name.
         plan: the step plan (stages, schedule, resolved axis, loss, forwards).
         dp_axis: the axis gradients and loss are averaged over after each step, or None.
+        stage_models: this rank's stage index -> its ``stage_transform``-ed model
+            (empty without a ``stage_transform``).
     """
 
     mesh: Mesh
     axis: str
     plan: StepPlan
     dp_axis: str | None
+    stage_models: Mapping[int, Any]
 
     @property
     def schedule(self) -> Schedule:
@@ -95,11 +100,19 @@ class PipelineModel:
     def init(self, seed: int, device: torch.device | str | None = None) -> Params:
         """This rank's leaves, equal to the same leaves of ``self.full.init(seed)``.
 
+        With a ``stage_transform`` each stage's model initialises its own leaves
+        (``shard_params``: this rank's shards of them).
+
         Example:
             >>> sorted(pp.init(0)) == sorted(pp.names)
             True
         """
-        return self.plan.stages.init(seed, self.rank, device)
+        if not self.stage_models:
+            return self.plan.stages.init(seed, self.rank, device)
+        leaves: Params = {}
+        for model in self.stage_models.values():
+            leaves.update(model.init(seed) if device is None else model.init(seed, device))
+        return {name: leaves[name] for name in self.names}
 
     def value_and_grad(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor,
                        targets: Any, *, report: bool = False
@@ -134,7 +147,9 @@ class PipelineModel:
         leaves = {n: t.detach().requires_grad_(True) if n in trainable else t
                   for n, t in params.items()}
         loss, grads, step_report = run_step(self.plan, leaves, inputs, targets)
-        if self.dp_axis is not None:
+        if self.dp_axis is not None and self.stage_models:  # the transform reduced them
+            loss = collectives.pmean(loss, self.dp_axis, mesh=self.mesh)
+        elif self.dp_axis is not None:
             loss, grads = collectives.pmean((loss, grads), self.dp_axis, mesh=self.mesh)
         return (loss, grads, step_report) if report else (loss, grads)
 
@@ -157,6 +172,7 @@ class PipelineModel:
             True
         """
         self._check_params(params)
+        params = self._full_stage_leaves(params)
         layout, names = self.layout, self.full.names
         ax, mine = self.plan.ax, self.rank
         messenger = Messenger(ax, lambda key: key[2])
@@ -175,6 +191,18 @@ class PipelineModel:
         except BaseException:
             messenger.finish()
             raise
+        return full
+
+    def _full_stage_leaves(self, params: Mapping[str, torch.Tensor]) -> Mapping[str, Any]:
+        """This rank's leaves unsharded by each stage model's own gather (if transformed)."""
+        if not self.stage_models:
+            return params
+        full: Params = {}
+        for model in self.stage_models.values():
+            mine = {n: params[n] for n in model.names}
+            gather_params = getattr(model, "gather_params", None)
+            full.update(gather_params(mine) if gather_params is not None
+                        else spec.gather(mine, model.specs, model.mesh))
         return full
 
     def _check_params(self, params: Mapping[str, torch.Tensor]) -> None:
@@ -263,7 +291,9 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
                     *, balance: Sequence[int] | str, schedule: str = "1f1b",
                     microbatches: int, loss_fn: Callable[[Any, Any], torch.Tensor],
                     virtual: int = 1, shapes: Any = None, remat: Callable | None = None,
-                    dp_axis: str | None = None, sample: Any = None) -> PipelineModel:
+                    dp_axis: str | None = None, sample: Any = None,
+                    stage_transform: Callable[[FunctionalModel, Mesh], Any] | None = None
+                    ) -> PipelineModel:
     """Split ``model``'s units into pipeline stages over ``axis`` and run them by ``schedule``.
 
     Stage ``s`` holds ``balance[s]`` consecutive units and lives on pp rank ``s % p``
@@ -296,6 +326,15 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
         dp_axis: average the gradients and the loss over this axis once per step
             (pp x dp: each dp replica passes its own batch).
         sample: the input ``balance="time"`` times the units with.
+        stage_transform: ``fn(stage_fmodel, stage_mesh) -> model`` applied to each stage
+            of this rank: ``stage_fmodel`` is ``sf.functional`` of its units (leaves named
+            as in the full tree), ``stage_mesh`` the mesh without the pp axis (this
+            rank's slice: the stage's replicas). E.g.
+            ``lambda f, m: sf.shard_params(f, m, "dp")`` (ZeRO-3 inside a stage) or
+            ``lambda f, m: sf.tensor_split(f, m, "tp", plan)``. The model must have
+            ``init``, ``apply``, ``names`` and ``specs`` (``gather_params`` if
+            ``sf.gather`` cannot rebuild its leaves). Its gradients are its own: with
+            ``dp_axis`` only the loss is averaged (``shard_params`` reduces over its axis).
 
     Returns:
         The :class:`PipelineModel`.
@@ -329,9 +368,28 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
     plan = make_schedule(schedule, ax.size, microbatches, virtual)
     validate(plan)  # a malformed schedule would hang: refuse it here
     stage_plan = plan_stages(units, counts, ax.size)
-    forwards = tuple(_stage_forward(stage_plan, stage, remat) for stage in stage_plan.stages)
+    models = {}
+    if stage_transform is not None:
+        if remat is not None:
+            raise ValueError("pipeline_stages: remat= and stage_transform= together: give the "
+                             "transform its own remat (sf.shard_params(..., remat=policy))")
+        others = [a for a in mesh.axis_names if a != axis]
+        if not others:
+            raise ValueError("pipeline_stages: stage_transform needs a mesh axis besides "
+                             f"{axis!r} to work over (e.g. {{'pp': 2, 'dp': 2}})")
+        stage_mesh = mesh.submesh(others)
+        models = {stage.index: stage_transform(functional(stage_module(units, stage)),
+                                               stage_mesh)
+                  for stage in stage_plan.on_rank(ax.index)}
+    forwards = tuple(_transformed_forward(models[stage.index]) if stage.index in models
+                     else _stage_forward(stage_plan, stage, remat)
+                     for stage in stage_plan.stages)
     step = StepPlan(stage_plan, plan, ax, loss_fn, forwards, _declared(shapes, n_stages - 1))
-    return PipelineModel(mesh, axis, step, dp_axis)
+    return PipelineModel(mesh, axis, step, dp_axis, models)
+
+
+def _transformed_forward(model: Any):
+    return lambda leaves, x: model.apply({n: leaves[n] for n in model.names}, x)
 
 
 def _stage_forward(stage_plan, stage: Stage, policy: Callable | None):

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from torch import nn
 from shardfn.functional import FunctionalModel, functional
 from shardfn.transforms.pipeline.schedules import stage_rank
 
-__all__ = ["Stage", "StagePlan", "as_units", "check_balance", "plan_stages"]
+__all__ = ["Stage", "StagePlan", "as_units", "check_balance", "plan_stages", "stage_module"]
 
 Params = dict[str, torch.Tensor]
 
@@ -90,6 +91,14 @@ class StagePlan:
     def stage_forward(self, stage: Stage) -> Callable[[Mapping[str, torch.Tensor], Any], Any]:
         """``fn(params, x)``: :meth:`forward` of one stage, as a plain function."""
         return lambda params, x: self.forward(stage, params, x)
+
+
+def stage_module(units: Sequence[nn.Module], stage: Stage) -> nn.Sequential:
+    """An ``nn.Sequential`` of ``stage``'s units under their full-model indices, so its
+    leaves have the full tree's names (``"3.weight"``) and ``sf.functional`` of it
+    initialises them as the full model's ``init`` does (same submodule paths, same seeds).
+    """
+    return nn.Sequential(OrderedDict((str(u), units[u]) for u in stage.units))
 
 
 def as_units(model: nn.Module | Sequence[nn.Module]) -> tuple[nn.Module, ...]:

@@ -104,3 +104,74 @@ def test_remat_per_stage_same_gradients_less_memory(worlds):
         # GPipe keeps 4 micro-batches; with remat each keeps its stage's output only, not
         # the Tanh outputs inside (measured: 2824 against 4448 bytes, 3232 against 6452)
         assert r_bytes < 0.75 * plain_bytes, (r_bytes, plain_bytes)
+
+
+class _Block(nn.Module):
+    """Residual MLP block: the unit both ZeRO-3 and tensor parallelism split."""
+
+    def __init__(self, d: int = 8, hidden: int = 16):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(self.ln(x))))
+
+
+def _blocks():
+    torch.manual_seed(0)
+    return [nn.Linear(4, 8), _Block(), _Block(), _Block(), nn.Linear(8, 3)]
+
+
+def _single_process_blocks(seed: int, x: torch.Tensor, y: torch.Tensor):
+    model = sf.functional(nn.Sequential(*_blocks()))
+    params = model.init(seed)
+    opt = sf.optim.adamw(1e-2, weight_decay=0.1)
+    state = opt.init(params)
+    losses = []
+    for _ in range(STEPS):
+        grads, loss = torch.func.grad_and_value(lambda p: mse(model.apply(p, x), y))(params)
+        updates, state = opt.update(grads, state, params)
+        params = sf.optim.apply_updates(params, updates)
+        losses.append(loss)
+    return params, losses
+
+
+def _composed_training(kind: str, seed: int, x: torch.Tensor, y: torch.Tensor):
+    other = "dp" if kind == "shard_params" else "tp"
+    mesh = sf.Mesh({"pp": 2, other: 2})
+    if kind == "shard_params":  # ZeRO-3 inside each stage; each dp replica its half batch
+        def transform(fmodel, stage_mesh):
+            return sf.shard_params(fmodel, stage_mesh, "dp")
+        rows = x.shape[0] // 2
+        mine = slice(mesh.index("dp") * rows, (mesh.index("dp") + 1) * rows)
+        dp_axis = "dp"
+    else:  # Megatron MLP inside each stage; the tp ranks see the same batch
+        def transform(fmodel, stage_mesh):
+            return sf.tensor_split(fmodel, stage_mesh, "tp",
+                                   {"*.fc1": "colwise", "*.fc2": "rowwise"})
+        mine, dp_axis = slice(None), None
+    pp = pipeline_stages(_blocks(), mesh, "pp", balance=[2, 3], schedule="1f1b",
+                         microbatches=3, loss_fn=mse, dp_axis=dp_axis, stage_transform=transform)
+    params = pp.init(seed)
+    opt = sf.optim.adamw(1e-2, weight_decay=0.1)
+    state = opt.init(params)
+    losses = []
+    for _ in range(STEPS):
+        loss, grads = pp.value_and_grad(params, x[mine], y[mine])
+        updates, state = opt.update(grads, state, params)
+        params = sf.optim.apply_updates(params, updates)
+        losses.append(loss)
+    return pp.gather(params), losses, {n: tuple(t.shape) for n, t in params.items()}
+
+
+@pytest.mark.parametrize("kind", ["shard_params", "tensor_split"])
+def test_pp_x_transform_adamw_steps_equal_one_process(worlds, kind):
+    x, y = batch(12, seed=5)
+    expected_params, expected_losses = _single_process_blocks(6, x, y)
+    for params, losses, local_shapes in worlds(4).run(_composed_training, kind, 6, x, y):
+        assert_close(losses, expected_losses)
+        assert_close(params, expected_params)
+        split = [n for n in local_shapes if n.endswith("fc1.weight")]
+        assert split and all(local_shapes[n][0] == 8 for n in split)  # 16 rows over 2 ranks
