@@ -37,6 +37,7 @@ from shardfn.transforms.pipeline.stage import (
     plan_stages,
     stage_module,
 )
+from shardfn.transforms.shard_params import ShardedModel
 
 __all__ = ["PipelineModel", "pipeline_stages"]
 
@@ -381,6 +382,10 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
         models = {stage.index: stage_transform(functional(stage_module(units, stage)),
                                                stage_mesh)
                   for stage in stage_plan.on_rank(ax.index)}
+        if plan.split_backward and any(isinstance(m, ShardedModel) for m in models.values()):
+            raise ValueError(f"pipeline_stages: schedule {schedule!r} splits backward (B, then "
+                             "W through the same graph), but shard_params frees a stage's "
+                             "graph after one backward: use 'gpipe', '1f1b' or 'interleaved'")
     forwards = tuple(_transformed_forward(models[stage.index]) if stage.index in models
                      else _stage_forward(stage_plan, stage, remat)
                      for stage in stage_plan.stages)

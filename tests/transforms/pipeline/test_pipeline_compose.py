@@ -175,3 +175,17 @@ def test_pp_x_transform_adamw_steps_equal_one_process(worlds, kind):
         assert_close(params, expected_params)
         split = [n for n in local_shapes if n.endswith("fc1.weight")]
         assert split and all(local_shapes[n][0] == 8 for n in split)  # 16 rows over 2 ranks
+
+
+def test_split_backward_with_shard_params_is_refused(worlds):
+    def on_rank():
+        mesh = sf.Mesh({"pp": 2, "dp": 2})
+        try:
+            pipeline_stages(_blocks(), mesh, balance=[2, 3], schedule="zb-h1", microbatches=2,
+                            loss_fn=mse, stage_transform=lambda f, m: sf.shard_params(f, m, "dp"))
+        except ValueError as error:
+            return str(error)
+        return None
+
+    for text in worlds(4).run(on_rank):
+        assert text is not None and "'zb-h1' splits backward" in text
