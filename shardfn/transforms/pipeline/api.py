@@ -27,7 +27,8 @@ from shardfn.mesh import Mesh
 from shardfn.primitives import _comm, collectives
 from shardfn.primitives._comm import resolve
 from shardfn.transforms.pipeline._p2p import Declared, Messenger
-from shardfn.transforms.pipeline.runtime import StepPlan, StepReport, run_forward, run_step
+from shardfn.transforms.pipeline.inference import run_forward
+from shardfn.transforms.pipeline.runtime import StepPlan, StepReport, run_step
 from shardfn.transforms.pipeline.schedules import SCHEDULES, Schedule, make_schedule
 from shardfn.transforms.pipeline.simulate import validate
 from shardfn.transforms.pipeline.stage import (
@@ -389,7 +390,9 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
     forwards = tuple(_transformed_forward(models[stage.index]) if stage.index in models
                      else _stage_forward(stage_plan, stage, remat)
                      for stage in stage_plan.stages)
-    step = StepPlan(stage_plan, plan, ax, loss_fn, forwards, _declared(shapes, n_stages - 1))
+    plain = tuple(remat is None and stage.index not in models for stage in stage_plan.stages)
+    step = StepPlan(stage_plan, plan, ax, loss_fn, forwards, _declared(shapes, n_stages - 1),
+                    plain)
     return PipelineModel(mesh, axis, step, dp_axis, models)
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 import shardfn.memory as mem
 from shardfn.primitives._comm import Axis
@@ -38,7 +39,8 @@ from shardfn.transforms.pipeline.messages import message_lists, release_points
 from shardfn.transforms.pipeline.schedules import Action, Schedule, stage_rank
 from shardfn.transforms.pipeline.stage import StagePlan
 
-__all__ = ["Event", "StepPlan", "StepReport", "run_forward", "run_step", "split_microbatches"]
+__all__ = ["Event", "StepPlan", "StepReport", "StepState", "action_text", "describe", "run_step",
+           "settle_and_raise", "split_microbatches"]
 
 _KINDS = ("act", "grad", "loss", "out")
 
@@ -84,6 +86,8 @@ class StepPlan:
         forwards: per stage, ``fn(params, x)`` (the stage, possibly under remat).
         declared: per stage boundary ``s`` (output of stage ``s``), its declared
             per-micro-batch shape and dtype, or None (exchanged in headers).
+        plain: per stage, whether ``forwards[s]`` is the plain unit chain, whose unit
+            outputs split backward can use (see :class:`_Kept`).
     """
 
     stages: StagePlan
@@ -92,6 +96,7 @@ class StepPlan:
     loss_fn: Callable[[Any, Any], torch.Tensor]
     forwards: tuple[Callable[[Mapping[str, torch.Tensor], Any], Any], ...]
     declared: tuple[Declared | None, ...] | None
+    plain: tuple[bool, ...] = ()
 
     @property
     def rank(self) -> int:
@@ -135,13 +140,28 @@ def split_microbatches(x: Any, m: int) -> list[Any]:
 
 
 class _Kept(NamedTuple):
+    """One micro-batch's graph of one stage, from F to its last backward piece.
+
+    ``pieces`` are ``(root, names)``: the parameters ``names`` get their gradients
+    by differentiating ``root``. Without split backward there is one piece, the
+    stage's output (the scaled loss on the last stage) and all its parameters.
+    With split backward and a plain unit chain, one piece per unit: its output's
+    graph edge (``get_gradient_edge``: the node, not the data, so nothing is kept
+    alive that the graph would not keep) and its parameters (the last unit's root
+    is the stage's). ``B`` then asks
+    autograd for the input gradient *and* the gradients at the unit outputs, and
+    ``W`` differentiates each unit's output alone down to its own parameters, so
+    ``W`` does not run the input-gradient path through the stage again.
+    """
+
     x: Any  # the stage's input (a leaf requiring grad when it is floating and s > 0)
     out: torch.Tensor  # the output, or the scaled loss on the last stage
-    grad_out: torch.Tensor | None  # kept between B and W (split backward)
+    pieces: tuple[tuple[Any, tuple[str, ...]], ...]  # (Tensor | GradientEdge | None, names)
+    piece_grads: tuple[torch.Tensor | None, ...] | None  # set by B (split backward)
 
 
-class _Step:
-    """One rank's state during one step (private to :func:`run_step`)."""
+class StepState:
+    """One rank's state during one step (:func:`run_step`, and ``inference.run_forward``)."""
 
     def __init__(self, plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs, targets):
         self.plan = plan
@@ -195,27 +215,42 @@ class _Step:
         x = self.inputs[i] if s == 0 else self.take("act", s - 1, i)
         if s > 0 and (x.is_floating_point() or x.is_complex()):
             x = x.detach().requires_grad_(True)
+        stage = plan.stages.stages[s]
+        units: list | None = None
         with torch.enable_grad():
-            out = plan.forwards[s](self.leaves, x)
+            if plan.schedule.split_backward and plan.plain and plan.plain[s]:
+                units = []  # a unit output's graph edge, not the tensor: its data may be freed
+
+                def keep(h: Any) -> None:
+                    units.append(get_gradient_edge(h) if _needs_grad(h) and h is not x else None)
+
+                out = plan.stages.forward(stage, self.leaves, x, keep=keep)
+            else:
+                out = plan.forwards[s](self.leaves, x)
             if s == plan.n_stages - 1:
                 loss = plan.loss_fn(out, self.targets[i])
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                     raise ValueError(f"pipeline loss_fn must return a scalar tensor (the mean "
-                                     f"over the micro-batch), got {_describe(loss)} for "
+                                     f"over the micro-batch), got {describe(loss)} for "
                                      f"micro-batch {i}")
                 out = loss * (self.inputs[i].shape[0] / self.batch)
                 self.loss = out.detach() if self.loss is None else self.loss + out.detach()
         if s < plan.n_stages - 1:
-            self._check_output(s, i, out)
+            self.check_output(s, i, out)
             self.give("act", s, i, out)
-        self.kept[(s, i)] = _Kept(x, out, None)
+        if units is None:
+            pieces = ((out, stage.trainable),)
+        else:
+            pieces = (*zip(units[:-1], stage.unit_trainable[:-1], strict=True),
+                      (out, stage.unit_trainable[-1]))
+        self.kept[(s, i)] = _Kept(x, out, pieces, None)
         live = sum(1 for (stage, _) in self.kept if stage == s)
         self.peak_live[s] = max(self.peak_live[s], live)
         self.peak_held = max(self.peak_held, len(self.kept))
 
-    def _check_output(self, s: int, i: int, out: Any) -> None:
+    def check_output(self, s: int, i: int, out: Any) -> None:
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"pipeline stage {s} returned {_describe(out)} for micro-batch {i}; "
+            raise TypeError(f"pipeline stage {s} returned {describe(out)} for micro-batch {i}; "
                             "a stage must return one tensor (the next stage's input)")
         declared = None if self.plan.declared is None else self.plan.declared[s]
         if declared is not None and (tuple(out.shape) != tuple(declared.shape)
@@ -225,26 +260,54 @@ class _Step:
                              f"{tuple(declared.shape)} {declared.dtype} (on pp rank "
                              f"{self.plan.rank})")
 
-    def backward(self, s: int, i: int, weights: bool, inputs: bool = True) -> None:
-        """Input gradient (``inputs``) and/or parameter gradients (``weights``) of (s, i)."""
-        kept = self.kept[(s, i)]
+    def backward(self, s: int, i: int, weights: bool) -> None:
+        """``B``: the input gradient, sent on; with ``weights`` also the parameter gradients
+        (the graph is then freed), else the gradients at the pieces' roots, kept for W."""
+        kept = self.kept.pop((s, i))
         last = s == self.plan.n_stages - 1
-        if inputs:
-            grad_out = None if last else self.take("grad", s + 1, i)
-        else:
-            grad_out = kept.grad_out
-        names = self.plan.stages.stages[s].trainable if weights else ()
-        wrt = [kept.x] if inputs and s > 0 and _needs_grad(kept.x) else []
-        wrt += [self.leaves[n] for n in names]
+        grad_out = None if last else self.take("grad", s + 1, i)
+        x_wrt = [kept.x] if s > 0 and _needs_grad(kept.x) else []
+        if weights:
+            names = kept.pieces[0][1]
+            wrt = x_wrt + [self.leaves[n] for n in names]
+        else:  # the roots of the pieces before the last, once each
+            roots = {_edge_key(r): r for r, names in kept.pieces[:-1]
+                     if names and r is not None}
+            wrt = x_wrt + list(roots.values())
         found: Sequence[torch.Tensor | None] = [None] * len(wrt)
-        usable = kept.out.requires_grad and (last or grad_out is not None)
-        if wrt and usable:
+        if wrt and kept.out.requires_grad and (last or grad_out is not None):
             with mem.category(f"pipeline.stage{s}.backward"):
                 found = torch.autograd.grad(kept.out, wrt, grad_outputs=grad_out,
                                             retain_graph=not weights, allow_unused=True)
-        if inputs and s > 0:
-            self.give("grad", s, i, found[0] if wrt and wrt[0] is kept.x else None)
-        for name, grad in zip(names, found[len(wrt) - len(names):], strict=True):
+        if s > 0:
+            self.give("grad", s, i, found[0] if x_wrt else None)
+        if weights:
+            self._accumulate(names, found[len(x_wrt):])
+            return
+        by_root = {_edge_key(r): g for r, g in zip(wrt[len(x_wrt):], found[len(x_wrt):],
+                                                    strict=True)}
+        grads = tuple(None if r is None else by_root.get(_edge_key(r))
+                      for r, _ in kept.pieces[:-1]) + (grad_out,)
+        self.kept[(s, i)] = kept._replace(piece_grads=grads)
+
+    def weight_grads(self, s: int, i: int) -> None:
+        """``W``: each piece's parameter gradients from the gradient B found at its root."""
+        kept = self.kept.pop((s, i))
+        last = s == self.plan.n_stages - 1
+        for k, ((root, names), grad) in enumerate(zip(kept.pieces, kept.piece_grads,
+                                                      strict=True)):
+            starts_here = last and k == len(kept.pieces) - 1  # the scaled loss itself
+            if not names or root is None or (grad is None and not starts_here) or \
+                    (isinstance(root, torch.Tensor) and not root.requires_grad):
+                continue
+            with mem.category(f"pipeline.stage{s}.backward"):
+                found = torch.autograd.grad(root, [self.leaves[n] for n in names],
+                                            grad_outputs=grad, retain_graph=True,
+                                            allow_unused=True)
+            self._accumulate(names, found)
+
+    def _accumulate(self, names: Sequence[str], found: Sequence[torch.Tensor | None]) -> None:
+        for name, grad in zip(names, found, strict=True):
             if grad is None:
                 continue
             total = self.grads[name]
@@ -255,10 +318,6 @@ class _Step:
             else:
                 self.grads[name] = total + grad
                 self.owned.add(name)
-        if weights:
-            del self.kept[(s, i)]
-        else:
-            self.kept[(s, i)] = kept._replace(grad_out=grad_out)
 
     def run(self, action: Action) -> None:
         start, self.wait = time.perf_counter(), 0.0
@@ -268,7 +327,7 @@ class _Step:
         elif kind == "B":
             self.backward(s, i, weights=not self.plan.schedule.split_backward)
         elif kind == "W":
-            self.backward(s, i, weights=True, inputs=False)
+            self.weight_grads(s, i)
         else:
             raise ValueError(f"pipeline schedule {self.plan.schedule.name!r}: unknown action "
                              f"kind {kind!r} in {action}")
@@ -276,17 +335,21 @@ class _Step:
                                  self.wait))
 
 
+def _edge_key(edge: Any) -> tuple[int, int]:
+    return id(edge.node), edge.output_nr
+
+
 def _needs_grad(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.requires_grad
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     return f"a {type(value).__name__}"
 
 
-def _settle_and_raise(step_messenger: Messenger, owed, expected, error: BaseException,
+def settle_and_raise(step_messenger: Messenger, owed, expected, error: BaseException,
                       where: str) -> None:
     text = str(error) if isinstance(error, PeerFailed) else \
         f"{type(error).__name__}: {error} (in {where})"
@@ -313,7 +376,7 @@ def run_step(plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs: torch.T
         this rank's trainable gradients summed over micro-batches (zeros for unused
         leaves) and the :class:`StepReport`.
     """
-    step = _Step(plan, leaves, inputs, targets)
+    step = StepState(plan, leaves, inputs, targets)
     owed, expected = message_lists(plan.schedule, plan.rank)
     action: Action | None = None
     try:
@@ -328,62 +391,16 @@ def run_step(plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs: torch.T
             step.loss = step.messenger.recv(("loss", 0, 0), holder)
         step.messenger.finish()
     except BaseException as error:  # every rank settles its messages, then raises
-        where = (f"pipeline step on pp rank {plan.rank}, during {_action_text(action)} of "
+        where = (f"pipeline step on pp rank {plan.rank}, during {action_text(action)} of "
                  f"schedule {plan.schedule.name!r}")
-        _settle_and_raise(step.messenger, owed, expected, error, where)
+        settle_and_raise(step.messenger, owed, expected, error, where)
     grads = {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in step.grads.items()}
     return step.loss, grads, StepReport(tuple(step.events), step.peak_live, step.peak_held, step.t0)
 
 
-def _action_text(action: Action | None) -> str:
+def action_text(action: Action | None) -> str:
     if action is None:
         return "the start"
     names = {"F": "forward", "B": "backward", "W": "weight gradient"}
     return f"{names.get(action.kind, action.kind)} of stage {action.stage}, micro-batch " \
            f"{action.microbatch}"
-
-
-def run_forward(plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs: torch.Tensor
-                ) -> torch.Tensor:
-    """Inference: the forward actions of the schedule, no graph; the output on every pp rank.
-
-    The last stage's outputs (one per micro-batch) are sent to every other pp
-    rank and concatenated on dim 0.
-    """
-    forwards = [a for a in plan.schedule.actions[plan.rank] if a.kind == "F"]
-    step = _Step(plan, leaves, inputs, None)
-    owed, expected = message_lists(plan.schedule, plan.rank, forwards)
-    m, p, last = plan.schedule.n_microbatches, plan.schedule.n_ranks, plan.n_stages - 1
-    holder = stage_rank(last, p)
-    outs: dict[int, torch.Tensor] = {}
-    keys = [("out", 0, i) for i in range(m)]
-    if plan.rank == holder:
-        owed += [(key, r) for key in keys for r in range(p) if r != holder]
-    else:
-        expected += [(key, holder) for key in keys]
-    action: Action | None = None
-    try:
-        with torch.no_grad():
-            for action in forwards:
-                s, i = action.stage, action.microbatch
-                x = step.inputs[i] if s == 0 else step.take("act", s - 1, i)
-                out = plan.forwards[s](leaves, x)
-                if s < last:
-                    step._check_output(s, i, out)
-                    step.give("act", s, i, out)
-                    continue
-                if not isinstance(out, torch.Tensor):
-                    raise TypeError(f"pipeline apply: the last stage returned {_describe(out)} "
-                                    f"for micro-batch {i}; apply needs one tensor")
-                outs[i] = out
-                for r in range(p):
-                    if r != holder:
-                        step.messenger.send(("out", 0, i), r, out)
-            action = None
-            if plan.rank != holder:
-                outs = {i: step.messenger.recv(("out", 0, i), holder) for i in range(m)}
-            step.messenger.finish()
-    except BaseException as error:
-        where = f"pipeline apply on pp rank {plan.rank}, during {_action_text(action)}"
-        _settle_and_raise(step.messenger, owed, expected, error, where)
-    return torch.cat([outs[i] for i in range(m)], dim=0)
