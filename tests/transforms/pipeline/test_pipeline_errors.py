@@ -218,3 +218,35 @@ def test_the_failing_rank_is_reported_by_the_world(worlds):
     assert time.perf_counter() - start < 30
     for loss in worlds(2).run(_healthy_step, 2):
         assert_close(loss, _expected_healthy_loss(2))
+
+
+class _Dying(nn.Module):
+    """Ends its process on its second call (a peer that dies mid-step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            import os
+
+            os._exit(3)
+        return x
+
+
+def test_a_peer_that_dies_mid_step_is_reported_not_hung(worlds):
+    units = [nn.Linear(4, 8), nn.Linear(8, 8), _Dying(), nn.Linear(8, 3)]
+
+    def on_rank():
+        pp = pipeline_stages(units, sf.Mesh({"pp": 2}), balance=[2, 2], schedule="1f1b",
+                             microbatches=3, loss_fn=mse)
+        return pp.value_and_grad(pp.init(0), *batch(6))
+
+    start = time.perf_counter()
+    with pytest.raises(sf.testing.WorldTimeout, match=r"rank 1 is dead \(exit code 3\)"):
+        worlds(2).run(on_rank)
+    assert time.perf_counter() - start < 60
+    for loss in worlds(2).run(_healthy_step, 2):  # the respawned world runs a correct step
+        assert_close(loss, _expected_healthy_loss(2))
