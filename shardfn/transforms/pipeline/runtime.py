@@ -148,10 +148,10 @@ class _Kept(NamedTuple):
     With split backward and a plain unit chain, one piece per unit: its output's
     graph edge (``get_gradient_edge``: the node, not the data, so nothing is kept
     alive that the graph would not keep) and its parameters (the last unit's root
-    is the stage's). ``B`` then asks
-    autograd for the input gradient *and* the gradients at the unit outputs, and
-    ``W`` differentiates each unit's output alone down to its own parameters, so
-    ``W`` does not run the input-gradient path through the stage again.
+    is the stage's). ``B`` then asks autograd for the input gradient *and* the
+    gradients at the unit outputs, and ``W`` differentiates each unit's output
+    alone down to its own parameters, so ``W`` does not run the input-gradient
+    path through the stage again.
     """
 
     x: Any  # the stage's input (a leaf requiring grad when it is floating and s > 0)
