@@ -195,3 +195,32 @@ def test_communication_volume(worlds, schedule):
         backward = activation if rank > 0 else 0
         loss = 3 * 4 if rank == 3 else 0
         assert sent == forward + backward + loss, (rank, sent)
+
+
+@pytest.mark.parametrize("schedule", ALL_SCHEDULES)
+@settings(max_examples=2)
+@given(p=st.sampled_from([2, 4]), m=st.integers(1, 6), rows_each=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
+def test_declared_shapes_equal_unsplit(worlds, schedule, p, m, rows_each, seed):
+    """shapes= declared (the receiver posts header and payload at once): same results."""
+    v = virtual_for(schedule)
+    if schedule_status(schedule, p, m, v) is not None:
+        pytest.skip(f"{schedule!r} with p={p}, m={m}: not available")
+    n_units = 2 * p * v
+    torch.manual_seed(0)
+    params, loss, grads, out = reference(mlp_units(n_units), seed, *batch(m * rows_each))
+
+    def on_rank():
+        torch.manual_seed(0)
+        pp = pipeline_stages(mlp_units(n_units), sf.Mesh({"pp": p}), balance=[2] * (p * v),
+                             schedule=schedule, microbatches=m, loss_fn=mse, virtual=v,
+                             shapes=(rows_each, 8))
+        leaves = pp.init(seed)
+        x, y = batch(m * rows_each)
+        return (*pp.value_and_grad(leaves, x, y), pp.apply(leaves, x))
+
+    for got_loss, got_grads, got_out in worlds(p).run(on_rank):
+        assert_close(got_loss, loss)
+        assert_close(got_out, out)
+        for name, grad in got_grads.items():
+            assert_close(grad, grads[name])
