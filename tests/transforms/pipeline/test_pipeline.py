@@ -224,3 +224,26 @@ def test_declared_shapes_equal_unsplit(worlds, schedule, p, m, rows_each, seed):
         assert_close(got_out, out)
         for name, grad in got_grads.items():
             assert_close(grad, grads[name])
+
+
+def test_float64_leaves_and_activations(worlds):
+    """Headers carry the dtype: a float64 model pipelines in float64 (no silent casts)."""
+    torch.manual_seed(0)
+    x, y = (t.double() for t in batch(5))
+    model = sf.functional(nn.Sequential(*mlp_units(4)))
+    full = {n: t.double() for n, t in model.init(2).items()}
+    grads, loss = torch.func.grad_and_value(lambda p: mse(model.apply(p, x), y))(full)
+
+    def on_rank():
+        torch.manual_seed(0)
+        pp = pipeline_stages(mlp_units(4), sf.Mesh({"pp": 2}), balance=[3, 1],
+                             schedule="zb-h1", microbatches=2, loss_fn=mse)
+        leaves = {n: t.double() for n, t in pp.init(2).items()}
+        return pp.value_and_grad(leaves, x, y)
+
+    for got_loss, got_grads in worlds(2).run(on_rank):
+        assert got_loss.dtype == torch.float64
+        assert_close(got_loss, loss)
+        for name, grad in got_grads.items():
+            assert grad.dtype == torch.float64
+            assert_close(grad, grads[name])
