@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from shardfn import spec
+from shardfn._torch_internals import get_interpreter_stack
 from shardfn.functional import FunctionalModel, functional
 from shardfn.mesh import Mesh
 from shardfn.primitives import _comm, collectives
@@ -143,6 +144,7 @@ class PipelineModel:
             ValueError: wrong leaves, a batch smaller than the micro-batch count, an
                 uneven split with declared shapes, or a stage error (every rank raises).
         """
+        _refuse_transforms("value_and_grad")
         self._check_params(params)
         self._check_batch(inputs, targets)
         trainable = {n for stage in self.stages for n in stage.trainable}
@@ -161,6 +163,7 @@ class PipelineModel:
         The batch runs through the stages in ``microbatches`` pieces; the last
         stage sends its outputs to every pp rank.
         """
+        _refuse_transforms("apply")
         self._check_params(params)
         self._check_batch(inputs, None)
         return run_forward(self.plan, params, inputs)
@@ -237,6 +240,13 @@ class PipelineModel:
         if self.plan.declared is not None and batch % m:
             raise ValueError(f"pipeline: shapes= declares one shape per micro-batch, so the "
                              f"batch ({batch} rows) must split evenly into {m} micro-batches")
+
+
+def _refuse_transforms(what: str) -> None:
+    if get_interpreter_stack():
+        raise RuntimeError(f"pipeline {what} runs a whole pipelined step with its own autograd "
+                           "and messages between ranks; it cannot run under torch.func "
+                           "transforms (grad, vmap, ...): call it directly")
 
 
 def _shape_text(value: Any) -> str:

@@ -247,3 +247,26 @@ def test_float64_leaves_and_activations(worlds):
         for name, grad in got_grads.items():
             assert grad.dtype == torch.float64
             assert_close(grad, grads[name])
+
+
+def test_autocast_bf16_as_the_unsplit_model(worlds):
+    """Under torch.autocast the stages compute in bf16 and the bf16 activations travel as
+    such (the header carries the dtype); loss and gradients match the unsplit model under
+    the same autocast to bf16 precision (rtol 1.6e-2: bf16's 8-bit mantissa)."""
+    x, y = batch(6)
+    model = sf.functional(nn.Sequential(*mlp_units(4)))
+    params = model.init(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        grads, loss = torch.func.grad_and_value(lambda p: mse(model.apply(p, x), y))(params)
+
+    def on_rank():
+        pp = pipeline_stages(mlp_units(4), sf.Mesh({"pp": 2}), balance=[2, 2],
+                             schedule="1f1b", microbatches=2, loss_fn=mse)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return pp.value_and_grad(pp.init(0), x, y)
+
+    for got_loss, got_grads in worlds(2).run(on_rank):
+        assert_close(got_loss, loss, rtol=1.6e-2, atol=1e-3)
+        for name, grad in got_grads.items():
+            assert grad.dtype == torch.float32
+            assert_close(grad, grads[name], rtol=1.6e-2, atol=1e-2)

@@ -250,3 +250,12 @@ def test_a_peer_that_dies_mid_step_is_reported_not_hung(worlds):
     assert time.perf_counter() - start < 60
     for loss in worlds(2).run(_healthy_step, 2):  # the respawned world runs a correct step
         assert_close(loss, _expected_healthy_loss(2))
+
+
+def test_torch_func_transforms_are_refused():
+    pp = _make([2, 3], virtual=2)
+    params, (x, y) = pp.init(0), batch(4)
+    with pytest.raises(RuntimeError, match="cannot run under torch.func transforms"):
+        torch.func.vmap(lambda xs: pp.apply(params, xs))(x[None])
+    with pytest.raises(RuntimeError, match="cannot run under torch.func transforms"):
+        torch.func.grad(lambda p: pp.value_and_grad(p, x, y)[0])(params)
