@@ -228,7 +228,7 @@ def _sf_system(ctx: Context, name: str, wrong: bool = False) -> System:
             grads = {k: g * ctx.cfg.microbatches for k, g in grads.items()}
         last["grads"] = grads
         ctx.record("sf-wrong" if wrong else f"sf-{name}", i, from_actions(ctx.rank, report.events,
-                                                 offset=getattr(report, "t0", 0.0)))
+                                                 offset=report.start))
 
     return System(step, lambda: _memory(params.values(), last["grads"].values()),
                   lambda: _full_tree(last["grads"]), counts_comm=True)

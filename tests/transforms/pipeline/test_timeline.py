@@ -175,3 +175,39 @@ def test_gather_events_over_two_ranks(worlds):
     results = worlds(2).run(on_rank)
     assert results[0] == results[1] == [TimelineEvent(0, "F", 0, 0, 0.0, 1.0),
                                         TimelineEvent(1, "F", 1, 0, 1.0, 2.0)]
+
+
+def test_a_real_pipeline_step_through_the_timeline(worlds):
+    """The runtime's StepReport -> from_actions -> gather_events: every action of every rank
+    once, compute spans inside the step, a bubble in [0, 1), and the Chrome trace and PNG."""
+
+    def on_rank():
+        import torch
+        import torch.distributed as dist
+        from torch import nn
+
+        import shardfn as sf
+        from shardfn.transforms.pipeline import pipeline_stages
+        from shardfn.transforms.pipeline.timeline import from_actions, gather_events
+
+        torch.manual_seed(0)
+        units = [nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4)]
+        pp = pipeline_stages(units, sf.Mesh({"pp": 2}), "pp", balance=[2, 2],
+                             schedule="zb-h1", microbatches=4,
+                             loss_fn=lambda out, t: ((out - t) ** 2).mean())
+        x, y = torch.randn(8, 16), torch.randn(8, 4)
+        _, _, report = pp.value_and_grad(pp.init(0), x, y, report=True)
+        events = from_actions(dist.get_rank(), report.events, offset=report.start)
+        return gather_events(events), report.start
+
+    (events, start0), (events1, start1) = worlds(2).run(on_rank)
+    assert events == events1
+    schedule = make_schedule("zb-h1", 2, 4)
+    for rank in (0, 1):
+        ran = [(e.kind, e.stage, e.microbatch) for e in events
+               if e.rank == rank and e.kind in "FBW"]
+        assert ran == [tuple(a) for a in schedule.actions[rank]]  # in the schedule's order
+    assert all(e.start >= min(start0, start1) for e in events)
+    assert 0.0 <= measured_bubble(events) < 1.0
+    trace = to_chrome_trace(events)
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
