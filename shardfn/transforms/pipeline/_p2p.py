@@ -97,11 +97,14 @@ class Messenger:
         ax: the resolved pp axis (peers are axis indices).
         tag_of: message key -> its number ``k`` in this call (unique per pair of ranks).
         declared: message key -> :class:`Declared` when its payload is declared, else None.
+        device: where messages live (the mesh's device: CUDA for NCCL, CPU for gloo).
     """
 
     def __init__(self, ax: Axis, tag_of: Callable[[Key], int],
-                 declared: Callable[[Key], Declared | None] = lambda key: None):
+                 declared: Callable[[Key], Declared | None] = lambda key: None,
+                 device: torch.device | str = "cpu"):
         self.ax = ax
+        self.device = torch.device(device)
         self.tag_of = tag_of
         self.declared = declared
         #: (key, dst) -> (works, tensors kept alive until they are waited), in posting order
@@ -131,10 +134,11 @@ class Messenger:
         """
         declared = self.declared(key)
         header_tag, payload_tag, text_tag = self._tags(key)
-        payload = None if status != OK else tensor.detach().contiguous()
+        payload = None if status != OK else tensor.detach().to(self.device).contiguous()
         if declared is not None and payload is None:
-            payload = torch.zeros(declared.shape, dtype=declared.dtype)
+            payload = torch.zeros(declared.shape, dtype=declared.dtype, device=self.device)
         header = _header(status, tensor if status == OK else None)
+        header = header.to(self.device)
         ops = [dist.P2POp(dist.isend, header, group=self.ax.group, group_peer=dst,
                           tag=header_tag)]
         if payload is not None:
@@ -143,7 +147,7 @@ class Messenger:
                                   tag=payload_tag))
         if status == ERROR:
             text = torch.frombuffer(bytearray(error.encode()[:_MAX_TEXT] or b" "),
-                                    dtype=torch.uint8)
+                                    dtype=torch.uint8).to(self.device)
             header[3] = text.numel()
             ops.append(dist.P2POp(dist.isend, text, group=self.ax.group, group_peer=dst,
                                   tag=text_tag))
@@ -159,12 +163,12 @@ class Messenger:
         """
         declared = self.declared(key)
         header_tag, payload_tag, text_tag = self._tags(key)
-        header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
         ops = [dist.P2POp(dist.irecv, header, group=self.ax.group, group_peer=src,
                           tag=header_tag)]
         payload = None
         if declared is not None:
-            payload = torch.empty(declared.shape, dtype=declared.dtype)
+            payload = torch.empty(declared.shape, dtype=declared.dtype, device=self.device)
             ops.append(dist.P2POp(dist.irecv, payload, group=self.ax.group, group_peer=src,
                                   tag=payload_tag))
         description = f"pipeline recv {key} from pp {src}"
@@ -173,13 +177,13 @@ class Messenger:
                 work.wait()
         status, shape, dtype = _decode(header)
         if declared is None and status == OK:
-            payload = torch.empty(shape, dtype=dtype)
+            payload = torch.empty(shape, dtype=dtype, device=self.device)
             self._receive(payload, src, payload_tag, description)
         text = ""
         if status == ERROR:
-            raw = torch.empty(int(header[3]), dtype=torch.uint8)
+            raw = torch.empty(int(header[3]), dtype=torch.uint8, device=self.device)
             self._receive(raw, src, text_tag, description)
-            text = bytes(raw.tolist()).decode(errors="replace").strip()
+            text = bytes(raw.cpu().tolist()).decode(errors="replace").strip()
         self.received.add((key, src))
         if status == ERROR:
             raise PeerFailed(f"pp rank {src} failed during this pipeline call (message {key}): "

@@ -180,7 +180,7 @@ class PipelineModel:
         params = self._full_stage_leaves(params)
         layout, names = self.layout, self.full.names
         ax, mine = self.plan.ax, self.rank
-        messenger = Messenger(ax, lambda key: key[2])
+        messenger = Messenger(ax, lambda key: key[2], device=self.plan.device)
         full: Params = {}
         try:
             for index, name in enumerate(names):
@@ -402,7 +402,7 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
                      for stage in stage_plan.stages)
     plain = tuple(remat is None and stage.index not in models for stage in stage_plan.stages)
     step = StepPlan(stage_plan, plan, ax, loss_fn, forwards, _declared(shapes, n_stages - 1),
-                    plain)
+                    plain, mesh.device)
     return PipelineModel(mesh, axis, step, dp_axis, models)
 
 

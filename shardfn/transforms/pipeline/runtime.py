@@ -88,6 +88,7 @@ class StepPlan:
             per-micro-batch shape and dtype, or None (exchanged in headers).
         plain: per stage, whether ``forwards[s]`` is the plain unit chain, whose unit
             outputs split backward can use (see :class:`_Kept`).
+        device: where messages are allocated (the mesh's device).
     """
 
     stages: StagePlan
@@ -97,6 +98,7 @@ class StepPlan:
     forwards: tuple[Callable[[Mapping[str, torch.Tensor], Any], Any], ...]
     declared: tuple[Declared | None, ...] | None
     plain: tuple[bool, ...] = ()
+    device: torch.device = torch.device("cpu")
 
     @property
     def rank(self) -> int:
@@ -170,7 +172,7 @@ class StepState:
         self.inputs = split_microbatches(inputs, m)
         self.targets = split_microbatches(targets, m)
         self.batch = inputs.shape[0]
-        self.messenger = Messenger(plan.ax, plan.tag_of, plan.declared_of)
+        self.messenger = Messenger(plan.ax, plan.tag_of, plan.declared_of, plan.device)
         self.local: dict[tuple, Any] = {}
         self.kept: dict[tuple[int, int], _Kept] = {}
         self.grads = {n: None for st in plan.stages.on_rank(plan.rank) for n in st.trainable}
