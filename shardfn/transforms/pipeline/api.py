@@ -29,7 +29,7 @@ from shardfn.primitives import _comm, collectives
 from shardfn.primitives._comm import resolve
 from shardfn.transforms.pipeline._p2p import Declared, Messenger
 from shardfn.transforms.pipeline.inference import run_forward
-from shardfn.transforms.pipeline.runtime import StepPlan, StepReport, run_step
+from shardfn.transforms.pipeline.runtime import StepPlan, StepReport, run_step, settle_and_raise
 from shardfn.transforms.pipeline.schedules import SCHEDULES, Schedule, make_schedule
 from shardfn.transforms.pipeline.simulate import validate
 from shardfn.transforms.pipeline.stage import (
@@ -145,12 +145,15 @@ class PipelineModel:
                 uneven split with declared shapes, or a stage error (every rank raises).
         """
         _refuse_transforms("value_and_grad")
-        self._check_params(params)
-        self._check_batch(inputs, targets)
-        trainable = {n for stage in self.stages for n in stage.trainable}
-        leaves = {n: t.detach().requires_grad_(True) if n in trainable else t
-                  for n, t in params.items()}
-        loss, grads, step_report = run_step(self.plan, leaves, inputs, targets)
+
+        def prepare() -> Params:  # on every rank inside the step: a bad call stops them all
+            self._check_params(params)
+            self._check_batch(inputs, targets)
+            trainable = {n for stage in self.stages for n in stage.trainable}
+            return {n: t.detach().requires_grad_(True) if n in trainable else t
+                    for n, t in params.items()}
+
+        loss, grads, step_report = run_step(self.plan, prepare, inputs, targets)
         if self.dp_axis is not None and self.stage_models:  # the transform reduced them
             loss = collectives.pmean(loss, self.dp_axis, mesh=self.mesh)
         elif self.dp_axis is not None:
@@ -164,9 +167,13 @@ class PipelineModel:
         stage sends its outputs to every pp rank.
         """
         _refuse_transforms("apply")
-        self._check_params(params)
-        self._check_batch(inputs, None)
-        return run_forward(self.plan, params, inputs)
+
+        def prepare() -> Mapping[str, torch.Tensor]:
+            self._check_params(params)
+            self._check_batch(inputs, None)
+            return params
+
+        return run_forward(self.plan, prepare, inputs)
 
     def gather(self, params: Mapping[str, torch.Tensor]) -> Params:
         """The full tree (every stage's leaves) on every pp rank, in full-tree order.
@@ -176,13 +183,17 @@ class PipelineModel:
             >>> all(torch.equal(full[n], t) for n, t in pp.full.init(0).items())
             True
         """
-        self._check_params(params)
-        params = self._full_stage_leaves(params)
         layout, names = self.layout, self.full.names
         ax, mine = self.plan.ax, self.rank
         messenger = Messenger(ax, lambda key: key[2], device=self.plan.device)
+        owed = [(("leaf", 0, k), peer) for k, n in enumerate(names) if layout[n] == mine
+                for peer in range(ax.size) if peer != mine]
+        expected = [(("leaf", 0, k), layout[n]) for k, n in enumerate(names)
+                    if layout[n] != mine]
         full: Params = {}
         try:
+            self._check_params(params)
+            params = self._full_stage_leaves(params)
             for index, name in enumerate(names):
                 if layout[name] == mine:
                     for peer in range(ax.size):
@@ -193,9 +204,9 @@ class PipelineModel:
                 full[name] = params[name] if holder == mine else \
                     messenger.recv(("leaf", 0, index), holder)
             messenger.finish()
-        except BaseException:
-            messenger.finish()
-            raise
+        except BaseException as error:  # the others stop too (error headers), then raise
+            settle_and_raise(messenger, owed, expected, error, f"pipeline gather on pp rank "
+                             f"{mine}")
         return full
 
     def _full_stage_leaves(self, params: Mapping[str, torch.Tensor]) -> Mapping[str, Any]:

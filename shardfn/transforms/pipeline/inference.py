@@ -11,10 +11,11 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
+from shardfn.transforms.pipeline._p2p import Messenger
 from shardfn.transforms.pipeline.messages import message_lists
 from shardfn.transforms.pipeline.runtime import (
     StepPlan,
@@ -28,15 +29,16 @@ from shardfn.transforms.pipeline.schedules import Action, stage_rank
 __all__ = ["run_forward"]
 
 
-def run_forward(plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs: torch.Tensor
-                ) -> torch.Tensor:
+def run_forward(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
+                inputs: torch.Tensor) -> torch.Tensor:
     """Inference: the forward actions of the schedule, no graph; the output on every pp rank.
 
     The last stage's outputs (one per micro-batch) are sent to every other pp
-    rank and concatenated on dim 0.
+    rank and concatenated on dim 0. ``prepare`` checks the arguments and returns
+    this rank's leaves (inside the error handling, as in ``run_step``).
     """
     forwards = [a for a in plan.schedule.actions[plan.rank] if a.kind == "F"]
-    step = StepState(plan, leaves, inputs, None)
+    messenger = Messenger(plan.ax, plan.tag_of, plan.declared_of, plan.device)
     owed, expected = message_lists(plan.schedule, plan.rank, forwards)
     m, p, last = plan.schedule.n_microbatches, plan.schedule.n_ranks, plan.n_stages - 1
     holder = stage_rank(last, p)
@@ -48,6 +50,8 @@ def run_forward(plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs: torc
         expected += [(key, holder) for key in keys]
     action: Action | None = None
     try:
+        leaves = prepare()
+        step = StepState(plan, leaves, inputs, None, messenger)
         with torch.no_grad():
             for action in forwards:
                 s, i = action.stage, action.microbatch
@@ -70,5 +74,5 @@ def run_forward(plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs: torc
             step.messenger.finish()
     except BaseException as error:
         where = f"pipeline apply on pp rank {plan.rank}, during {action_text(action)}"
-        settle_and_raise(step.messenger, owed, expected, error, where)
+        settle_and_raise(messenger, owed, expected, error, where)
     return torch.cat([outs[i] for i in range(m)], dim=0)

@@ -165,14 +165,15 @@ class _Kept(NamedTuple):
 class StepState:
     """One rank's state during one step (:func:`run_step`, and ``inference.run_forward``)."""
 
-    def __init__(self, plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs, targets):
+    def __init__(self, plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs, targets,
+                 messenger: Messenger):
         self.plan = plan
         self.leaves = leaves
         m = plan.schedule.n_microbatches
         self.inputs = split_microbatches(inputs, m)
         self.targets = split_microbatches(targets, m)
         self.batch = inputs.shape[0]
-        self.messenger = Messenger(plan.ax, plan.tag_of, plan.declared_of, plan.device)
+        self.messenger = messenger
         self.local: dict[tuple, Any] = {}
         self.kept: dict[tuple[int, int], _Kept] = {}
         self.grads = {n: None for st in plan.stages.on_rank(plan.rank) for n in st.trainable}
@@ -363,13 +364,16 @@ def settle_and_raise(step_messenger: Messenger, owed, expected, error: BaseExcep
     raise error
 
 
-def run_step(plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs: torch.Tensor,
-             targets: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor], StepReport]:
+def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
+             inputs: torch.Tensor, targets: Any
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor], StepReport]:
     """Run this rank's actions of ``plan.schedule`` on one batch.
 
     Args:
         plan: the step plan.
-        leaves: this rank's leaves; trainable ones must be leaves requiring grad.
+        prepare: checks the call's arguments and returns this rank's leaves (trainable
+            ones leaves requiring grad); run inside the error handling, so a bad
+            argument on one rank stops the others too.
         inputs: the whole batch's inputs (split on dim 0; only stage 0 reads them).
         targets: the whole batch's targets (split alike; only the last stage reads them).
 
@@ -378,10 +382,12 @@ def run_step(plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs: torch.T
         this rank's trainable gradients summed over micro-batches (zeros for unused
         leaves) and the :class:`StepReport`.
     """
-    step = StepState(plan, leaves, inputs, targets)
+    messenger = Messenger(plan.ax, plan.tag_of, plan.declared_of, plan.device)
     owed, expected = message_lists(plan.schedule, plan.rank)
     action: Action | None = None
     try:
+        leaves = prepare()
+        step = StepState(plan, leaves, inputs, targets, messenger)
         for action in plan.schedule.actions[plan.rank]:
             step.run(action)
         holder = stage_rank(plan.n_stages - 1, plan.schedule.n_ranks)
@@ -395,7 +401,7 @@ def run_step(plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs: torch.T
     except BaseException as error:  # every rank settles its messages, then raises
         where = (f"pipeline step on pp rank {plan.rank}, during {action_text(action)} of "
                  f"schedule {plan.schedule.name!r}")
-        settle_and_raise(step.messenger, owed, expected, error, where)
+        settle_and_raise(messenger, owed, expected, error, where)
     grads = {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in step.grads.items()}
     return step.loss, grads, StepReport(tuple(step.events), step.peak_live, step.peak_held, step.t0)
 

@@ -259,3 +259,35 @@ def test_torch_func_transforms_are_refused():
         torch.func.vmap(lambda xs: pp.apply(params, xs))(x[None])
     with pytest.raises(RuntimeError, match="cannot run under torch.func transforms"):
         torch.func.grad(lambda p: pp.value_and_grad(p, x, y)[0])(params)
+
+
+@pytest.mark.parametrize("call", ["value_and_grad", "apply", "gather"])
+def test_bad_arguments_on_one_rank_stop_every_rank(worlds, call):
+    """pp rank 1 alone passes a tree missing a leaf: it raises its ValueError, and rank 0,
+    which would wait for its messages, raises PeerFailed with that text, instead of hanging."""
+
+    def on_rank():
+        pp = pipeline_stages(mlp_units(4), sf.Mesh({"pp": 2}), balance=[2, 2],
+                             schedule="1f1b", microbatches=2, loss_fn=mse)
+        params = pp.init(0)
+        if pp.rank == 1:
+            params.pop("3.bias")
+        x, y = batch(4)
+        start = time.perf_counter()
+        try:
+            if call == "value_and_grad":
+                pp.value_and_grad(params, x, y)
+            elif call == "apply":
+                pp.apply(params, x)
+            else:
+                pp.gather(params)
+        except Exception as error:  # noqa: BLE001 - the test looks at every rank's error
+            return type(error).__name__, str(error), time.perf_counter() - start
+        return None
+
+    first, second = worlds(2).run(on_rank)
+    assert second[0] == "ValueError" and "missing ['3.bias']" in second[1]
+    assert first[0] == "PeerFailed" and "missing ['3.bias']" in first[1]
+    assert max(first[2], second[2]) < 20
+    for loss in worlds(2).run(_healthy_step, 2):
+        assert_close(loss, _expected_healthy_loss(2))
