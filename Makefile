@@ -21,8 +21,7 @@ test: lint
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
-	$(PY) benchmarks/bench_dp.py
-	$(PY) benchmarks/bench_tp.py
+	$(PY) benchmarks/report.py   # every benchmark -> docs/benchmark_report.md + plots
 
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict -d site

@@ -1,0 +1,431 @@
+"""``pipeline_stages``: a sequence of units split into stages over the mesh's "pp" axis.
+
+See docs/pipeline.md. The pieces: :mod:`.stage` (which units and leaves each
+stage has), :mod:`.schedules` (the order of actions), :mod:`.runtime` (one rank
+running its actions), :mod:`._p2p` (the messages between pp ranks).
+
+Example:
+    >>> pp = sf.pipeline_stages(nn.Sequential(a, b, c, d), mesh, axis="pp", balance=[2, 2],
+    ...                         schedule="1f1b", microbatches=4,
+    ...                         loss_fn=lambda out, tgt: F.mse_loss(out, tgt))
+    >>> params = pp.init(0)                  # this rank's leaves only
+    >>> loss, grads = pp.value_and_grad(params, x, y)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardfn import spec
+from shardfn._torch_internals import get_interpreter_stack
+from shardfn.functional import FunctionalModel, functional
+from shardfn.mesh import Mesh
+from shardfn.primitives import _comm, collectives
+from shardfn.primitives._comm import resolve
+from shardfn.transforms.pipeline._p2p import Declared, Messenger
+from shardfn.transforms.pipeline.inference import run_forward
+from shardfn.transforms.pipeline.runtime import StepPlan, StepReport, run_step, settle_and_raise
+from shardfn.transforms.pipeline.schedules import SCHEDULES, Schedule, make_schedule
+from shardfn.transforms.pipeline.simulate import validate
+from shardfn.transforms.pipeline.stage import (
+    Stage,
+    as_units,
+    check_balance,
+    plan_stages,
+    stage_module,
+)
+from shardfn.transforms.shard_params import ShardedModel
+
+__all__ = ["PipelineModel", "pipeline_stages"]
+
+Params = dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PipelineModel:
+    """A model split into pipeline stages; made by :func:`pipeline_stages`.
+
+    Attributes:
+        mesh: the mesh.
+        axis: the pp axis name.
+        plan: the step plan (stages, schedule, resolved axis, loss, forwards).
+        dp_axis: the axis gradients and loss are averaged over after each step, or None.
+        stage_models: this rank's stage index -> its ``stage_transform``-ed model
+            (empty without a ``stage_transform``).
+    """
+
+    mesh: Mesh
+    axis: str
+    plan: StepPlan
+    dp_axis: str | None
+    stage_models: Mapping[int, Any]
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.plan.schedule
+
+    @property
+    def full(self) -> FunctionalModel:
+        """``sf.functional(nn.Sequential(*units))``: the unsplit model's names and init."""
+        return self.plan.stages.full
+
+    @property
+    def rank(self) -> int:
+        """This rank's index on the pp axis."""
+        return self.plan.rank
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        """This rank's stages (``virtual`` of them), in stage order."""
+        return self.plan.stages.on_rank(self.rank)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The leaves this rank holds, in full-tree order."""
+        mine = {n for stage in self.stages for n in stage.names}
+        return tuple(n for n in self.full.names if n in mine)
+
+    @property
+    def layout(self) -> dict[str, int]:
+        """Every leaf of the full tree -> the pp axis index that holds it (for checkpoints)."""
+        return self.plan.stages.layout()
+
+    @property
+    def balance(self) -> tuple[int, ...]:
+        """Units per stage."""
+        return tuple(len(stage.units) for stage in self.plan.stages.stages)
+
+    def init(self, seed: int, device: torch.device | str | None = None) -> Params:
+        """This rank's leaves, equal to the same leaves of ``self.full.init(seed)``.
+
+        With a ``stage_transform`` each stage's model initialises its own leaves
+        (``shard_params``: this rank's shards of them).
+
+        Example:
+            >>> sorted(pp.init(0)) == sorted(pp.names)
+            True
+        """
+        if not self.stage_models:
+            return self.plan.stages.init(seed, self.rank, device)
+        leaves: Params = {}
+        for model in self.stage_models.values():
+            leaves.update(model.init(seed) if device is None else model.init(seed, device))
+        return {name: leaves[name] for name in self.names}
+
+    def value_and_grad(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor,
+                       targets: Any, *, report: bool = False
+                       ) -> tuple[torch.Tensor, Params] | tuple[torch.Tensor, Params, StepReport]:
+        """One pipelined forward and backward over the whole batch.
+
+        The batch is split on dim 0 into ``microbatches`` pieces (``torch.tensor_split``:
+        sizes differ by at most one, unless ``shapes=`` was declared, which needs an
+        even split). The loss of micro-batch ``i`` is scaled by its size over the
+        batch, so with a ``loss_fn`` that is a mean over the micro-batch the total is
+        the unsplit mean. Every pp rank passes the same ``inputs`` and ``targets``
+        (only stage 0 reads the inputs' values, only the last stage the targets).
+
+        Args:
+            params: this rank's leaves (as from :meth:`init`).
+            inputs: the batch's inputs (one tensor).
+            targets: the batch's targets (a tensor split like ``inputs``, or None).
+            report: also return the :class:`~.runtime.StepReport` (events, live graphs).
+
+        Returns:
+            ``(loss, grads)``: the whole batch's loss, equal on every pp rank, and the
+            gradients of this rank's trainable leaves; with ``dp_axis`` both are
+            averaged over it. With ``report=True`` a third item, the report.
+
+        Raises:
+            ValueError: wrong leaves, a batch smaller than the micro-batch count, an
+                uneven split with declared shapes, or a stage error (every rank raises).
+        """
+        _refuse_transforms("value_and_grad")
+
+        def prepare() -> Params:  # on every rank inside the step: a bad call stops them all
+            self._check_params(params)
+            self._check_batch(inputs, targets)
+            trainable = {n for stage in self.stages for n in stage.trainable}
+            return {n: t.detach().requires_grad_(True) if n in trainable else t
+                    for n, t in params.items()}
+
+        loss, grads, step_report = run_step(self.plan, prepare, inputs, targets)
+        if self.dp_axis is not None and self.stage_models:  # the transform reduced them
+            loss = collectives.pmean(loss, self.dp_axis, mesh=self.mesh)
+        elif self.dp_axis is not None:
+            loss, grads = collectives.pmean((loss, grads), self.dp_axis, mesh=self.mesh)
+        return (loss, grads, step_report) if report else (loss, grads)
+
+    def apply(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
+        """Inference: the model's output for ``inputs``, on every pp rank (no graph).
+
+        The batch runs through the stages in ``microbatches`` pieces; the last
+        stage sends its outputs to every pp rank.
+        """
+        _refuse_transforms("apply")
+
+        def prepare() -> Mapping[str, torch.Tensor]:
+            self._check_params(params)
+            self._check_batch(inputs, None)
+            return params
+
+        return run_forward(self.plan, prepare, inputs)
+
+    def gather(self, params: Mapping[str, torch.Tensor]) -> Params:
+        """The full tree (every stage's leaves) on every pp rank, in full-tree order.
+
+        Example:
+            >>> full = pp.gather(pp.init(0))
+            >>> all(torch.equal(full[n], t) for n, t in pp.full.init(0).items())
+            True
+        """
+        layout, names = self.layout, self.full.names
+        ax, mine = self.plan.ax, self.rank
+        messenger = Messenger(ax, lambda key: key[2], device=self.plan.device)
+        owed = [(("leaf", 0, k), peer) for k, n in enumerate(names) if layout[n] == mine
+                for peer in range(ax.size) if peer != mine]
+        expected = [(("leaf", 0, k), layout[n]) for k, n in enumerate(names)
+                    if layout[n] != mine]
+        full: Params = {}
+        try:
+            self._check_params(params)
+            params = self._full_stage_leaves(params)
+            for index, name in enumerate(names):
+                if layout[name] == mine:
+                    for peer in range(ax.size):
+                        if peer != mine:
+                            messenger.send(("leaf", 0, index), peer, params[name])
+            for index, name in enumerate(names):
+                holder = layout[name]
+                full[name] = params[name] if holder == mine else \
+                    messenger.recv(("leaf", 0, index), holder)
+            messenger.finish()
+        except BaseException as error:  # the others stop too (error headers), then raise
+            settle_and_raise(messenger, owed, expected, error, f"pipeline gather on pp rank "
+                             f"{mine}")
+        return full
+
+    def _full_stage_leaves(self, params: Mapping[str, torch.Tensor]) -> Mapping[str, Any]:
+        """This rank's leaves unsharded by each stage model's own gather (if transformed)."""
+        if not self.stage_models:
+            return params
+        full: Params = {}
+        for model in self.stage_models.values():
+            mine = {n: params[n] for n in model.names}
+            gather_params = getattr(model, "gather_params", None)
+            full.update(gather_params(mine) if gather_params is not None
+                        else spec.gather(mine, model.specs, model.mesh))
+        return full
+
+    def _check_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        if not isinstance(params, Mapping):
+            raise TypeError(f"pipeline params must be a dict of this rank's leaves, got "
+                            f"{type(params).__name__}")
+        names = set(self.names)
+        missing = [n for n in self.names if n not in params]
+        unexpected = sorted(n for n in params if n not in names)
+        if missing or unexpected:
+            others = [f"{n} (pp rank {self.layout[n]})" for n in unexpected if n in self.layout]
+            raise ValueError(f"pipeline params on pp rank {self.rank}: missing {missing}, "
+                             f"unexpected {unexpected}" +
+                             (f"; held by other ranks: {others}" if others else "") +
+                             "; pass this rank's leaves (pp.init(seed))")
+
+    def _check_batch(self, inputs: Any, targets: Any) -> None:
+        m = self.schedule.n_microbatches
+        if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
+            raise TypeError("pipeline inputs must be one tensor with a batch dim 0, got "
+                            f"{type(inputs).__name__}")
+        batch = inputs.shape[0]
+        if batch < m:
+            raise ValueError(f"pipeline: a batch of {batch} rows cannot be split into {m} "
+                             "micro-batches (each needs at least one row)")
+        if targets is not None and (not isinstance(targets, torch.Tensor)
+                                    or targets.dim() == 0 or targets.shape[0] != batch):
+            raise ValueError(f"pipeline targets must be a tensor with the inputs' batch size "
+                             f"{batch} on dim 0, got {_shape_text(targets)}")
+        if self.plan.declared is not None and batch % m:
+            raise ValueError(f"pipeline: shapes= declares one shape per micro-batch, so the "
+                             f"batch ({batch} rows) must split evenly into {m} micro-batches")
+
+
+def _refuse_transforms(what: str) -> None:
+    if get_interpreter_stack():
+        raise RuntimeError(f"pipeline {what} runs a whole pipelined step with its own autograd "
+                           "and messages between ranks; it cannot run under torch.func "
+                           "transforms (grad, vmap, ...): call it directly")
+
+
+def _shape_text(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _declared(shapes: Any, n_boundaries: int) -> tuple[Declared, ...] | None:
+    """``shapes=``: None, one shape for every boundary, or one per boundary."""
+    if shapes is None:
+        return None
+
+    def one(entry: Any) -> Declared:
+        if hasattr(entry, "shape") and hasattr(entry, "dtype"):
+            return Declared(tuple(int(d) for d in entry.shape), entry.dtype)
+        if isinstance(entry, (tuple, list, torch.Size)) and all(
+                isinstance(d, int) and not isinstance(d, bool) for d in entry):
+            return Declared(tuple(entry), torch.get_default_dtype())
+        raise TypeError(f"shapes= entries are shapes (tuples of ints) or (shape, dtype) "
+                        f"objects such as sf.ShapeDtype, got {entry!r}")
+
+    if isinstance(shapes, (tuple, torch.Size)) and all(isinstance(d, int) for d in shapes):
+        return (one(shapes),) * n_boundaries
+    if hasattr(shapes, "shape") and hasattr(shapes, "dtype"):
+        return (one(shapes),) * n_boundaries
+    entries = list(shapes)
+    if len(entries) != n_boundaries:
+        raise ValueError(f"shapes= has {len(entries)} entries, but the pipeline has "
+                         f"{n_boundaries} stage boundaries (stages - 1): give one output "
+                         "shape per stage except the last, or one shape for all")
+    return tuple(one(e) for e in entries)
+
+
+def _resolve_balance(balance: Any, units: Sequence[nn.Module], n_stages: int,
+                     sample: Any, mesh: Mesh) -> tuple[int, ...]:
+    if isinstance(balance, str) and balance in ("params", "time"):
+        try:
+            from shardfn.transforms.pipeline.balance import balance_units
+        except ImportError as error:
+            raise NotImplementedError(f"balance={balance!r} needs shardfn.transforms.pipeline"
+                                      ".balance, not written yet: pass a list of unit counts"
+                                      ) from error
+        by = balance
+        balance = balance_units(list(units), n_stages, by=by, sample=sample)
+        if by == "time" and mesh.size() > 1:  # timings differ by rank: mesh index 0 decides
+            every = resolve(mesh.axis_names, mesh)
+            counts = torch.tensor(list(balance), dtype=torch.int64)
+            balance = [int(c) for c in _comm.broadcast(counts, every, 0).tolist()]
+    return check_balance(balance, len(units), n_stages)
+
+
+def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis: str = "pp",
+                    *, balance: Sequence[int] | str, schedule: str = "1f1b",
+                    microbatches: int, loss_fn: Callable[[Any, Any], torch.Tensor],
+                    virtual: int = 1, shapes: Any = None, remat: Callable | None = None,
+                    dp_axis: str | None = None, sample: Any = None,
+                    stage_transform: Callable[[FunctionalModel, Mesh], Any] | None = None
+                    ) -> PipelineModel:
+    """Split ``model``'s units into pipeline stages over ``axis`` and run them by ``schedule``.
+
+    Stage ``s`` holds ``balance[s]`` consecutive units and lives on pp rank ``s % p``
+    (``p * virtual`` stages, looped). Only activations (forward) and their
+    gradients (backward) travel between neighbouring stages, point to point.
+
+    Memory per rank: its stages' parameters and gradients, plus the activations
+    of the micro-batches in flight (GPipe: all ``m``; 1F1B: at most ``p`` per
+    stage). Communication per step: each stage boundary sends one activation
+    and one gradient per micro-batch; the loss is sent to every pp rank.
+
+    Args:
+        model: an ``nn.Sequential`` or a list of modules (the units).
+        mesh: the mesh; ``axis`` must be one of its axes.
+        axis: the pipeline axis.
+        balance: units per stage (``p * virtual`` positive counts summing to the
+            number of units), or ``"params"`` / ``"time"`` (by parameter count /
+            measured time; ``sample`` is the input to time with).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``
+            (:data:`~.schedules.SCHEDULES`).
+        microbatches: micro-batches per step ``m``.
+        loss_fn: ``loss_fn(out, targets) -> scalar``, a mean over the micro-batch.
+        virtual: stages per rank (interleaved schedules).
+        shapes: declared per-micro-batch output shapes of the stages (one shape or
+            ``(shape, dtype)`` for every boundary, or one per boundary); None:
+            exchanged in message headers. A stage output that differs raises on
+            the sending rank, and every rank stops.
+        remat: a remat policy (``sf.checkpoint_policies.*``): each stage's forward
+            runs under ``sf.remat`` (activations recomputed in backward).
+        dp_axis: average the gradients and the loss over this axis once per step
+            (pp x dp: each dp replica passes its own batch).
+        sample: the input ``balance="time"`` times the units with.
+        stage_transform: ``fn(stage_fmodel, stage_mesh) -> model`` applied to each stage
+            of this rank: ``stage_fmodel`` is ``sf.functional`` of its units (leaves named
+            as in the full tree), ``stage_mesh`` the mesh without the pp axis (this
+            rank's slice: the stage's replicas). E.g.
+            ``lambda f, m: sf.shard_params(f, m, "dp")`` (ZeRO-3 inside a stage) or
+            ``lambda f, m: sf.tensor_split(f, m, "tp", plan)``. The model must have
+            ``init``, ``apply``, ``names`` and ``specs`` (``gather_params`` if
+            ``sf.gather`` cannot rebuild its leaves). Its gradients are its own: with
+            ``dp_axis`` only the loss is averaged (``shard_params`` reduces over its axis).
+
+    Returns:
+        The :class:`PipelineModel`.
+
+    Raises:
+        ValueError: an unknown schedule or axis, a bad balance, bad ``shapes``.
+        NotImplementedError: a schedule that is not written yet.
+
+    Example:
+        >>> pp = sf.pipeline_stages([nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)],
+        ...                         sf.Mesh({"pp": 2}), balance=[2, 1], schedule="gpipe",
+        ...                         microbatches=2, loss_fn=lambda o, t: ((o - t) ** 2).mean())
+        >>> loss, grads = pp.value_and_grad(pp.init(0), torch.randn(4, 4), torch.randn(4, 1))
+    """
+    units = as_units(model)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {sorted(SCHEDULES)}")
+    for name, value in (("microbatches", microbatches), ("virtual", virtual)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"pipeline_stages: {name} must be an int >= 1, got {value!r}")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"pipeline_stages: axis {axis!r} is not in the mesh "
+                         f"{dict(zip(mesh.axis_names, mesh.shape, strict=True))}")
+    if dp_axis is not None and dp_axis not in mesh.axis_names:
+        raise ValueError(f"pipeline_stages: dp_axis {dp_axis!r} is not in the mesh")
+    if not callable(loss_fn):
+        raise TypeError("pipeline_stages: loss_fn must be callable(out, targets) -> scalar")
+    ax = resolve(axis, mesh)
+    n_stages = ax.size * virtual
+    counts = _resolve_balance(balance, units, n_stages, sample, mesh)
+    plan = make_schedule(schedule, ax.size, microbatches, virtual)
+    validate(plan)  # a malformed schedule would hang: refuse it here
+    stage_plan = plan_stages(units, counts, ax.size)
+    models = {}
+    if stage_transform is not None:
+        if remat is not None:
+            raise ValueError("pipeline_stages: remat= and stage_transform= together: give the "
+                             "transform its own remat (sf.shard_params(..., remat=policy))")
+        others = [a for a in mesh.axis_names if a != axis]
+        if not others:
+            raise ValueError("pipeline_stages: stage_transform needs a mesh axis besides "
+                             f"{axis!r} to work over (e.g. {{'pp': 2, 'dp': 2}})")
+        stage_mesh = mesh.submesh(others)
+        models = {stage.index: stage_transform(functional(stage_module(units, stage)),
+                                               stage_mesh)
+                  for stage in stage_plan.on_rank(ax.index)}
+        if plan.split_backward and any(isinstance(m, ShardedModel) for m in models.values()):
+            raise ValueError(f"pipeline_stages: schedule {schedule!r} splits backward (B, then "
+                             "W through the same graph), but shard_params frees a stage's "
+                             "graph after one backward: use 'gpipe', '1f1b' or 'interleaved'")
+    forwards = tuple(_transformed_forward(models[stage.index]) if stage.index in models
+                     else _stage_forward(stage_plan, stage, remat)
+                     for stage in stage_plan.stages)
+    plain = tuple(remat is None and stage.index not in models for stage in stage_plan.stages)
+    step = StepPlan(stage_plan, plan, ax, loss_fn, forwards, _declared(shapes, n_stages - 1),
+                    plain, mesh.device)
+    return PipelineModel(mesh, axis, step, dp_axis, models)
+
+
+def _transformed_forward(model: Any):
+    return lambda leaves, x: model.apply({n: leaves[n] for n in model.names}, x)
+
+
+def _stage_forward(stage_plan, stage: Stage, policy: Callable | None):
+    fn = stage_plan.stage_forward(stage)
+    if policy is None:
+        return fn
+    from shardfn.transforms.remat import remat
+
+    recomputed = remat(fn, policy)
+    return lambda leaves, x: recomputed({n: leaves[n] for n in stage.names}, x)

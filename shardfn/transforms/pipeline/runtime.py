@@ -1,0 +1,414 @@
+"""The pipeline runtime: one rank runs its schedule's actions in order.
+
+* ``F`` (stage ``s``, micro-batch ``i``): the input is micro-batch ``i`` of the
+  inputs on stage 0, else the activation received from stage ``s - 1``'s rank
+  (handed over locally when that is this rank). The stage runs with autograd,
+  its graph is kept, and the output is sent on to stage ``s + 1``. The last
+  stage computes ``loss_fn(out, targets_i) * n_i / batch`` (so the sum over
+  micro-batches is the mean over the whole batch).
+* ``B``: the output gradient is received from stage ``s + 1`` (or the backward
+  starts from the scaled loss); ``torch.autograd.grad`` gives the input gradient,
+  sent to stage ``s - 1``, and the parameter gradients, accumulated. The graph is
+  then freed. With ``split_backward`` ``B`` keeps the graph and computes only the
+  input gradient; ``W`` computes the parameter gradients later and frees it.
+
+Receives block, sends are non-blocking (:mod:`._p2p`) and all waited before
+the step returns. On any error (a stage raising, a declared shape not met, a
+peer's error header) the rank settles its messages (error headers for what it
+owes, drains what it expects) and re-raises, so every rank stops with an error.
+
+Example:
+    >>> loss, grads, report = run_step(step_plan, leaves, inputs, targets)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+import shardfn.memory as mem
+from shardfn.primitives._comm import Axis
+from shardfn.transforms.pipeline._p2p import NONE, OK, Declared, Messenger, PeerFailed
+from shardfn.transforms.pipeline.messages import message_lists, release_points
+from shardfn.transforms.pipeline.schedules import Action, Schedule, stage_rank
+from shardfn.transforms.pipeline.stage import StagePlan
+
+__all__ = ["Event", "StepPlan", "StepReport", "StepState", "action_text", "describe", "run_step",
+           "settle_and_raise", "split_microbatches"]
+
+_KINDS = ("act", "grad", "loss", "out")
+
+
+class Event(NamedTuple):
+    """One action as it ran: seconds since the step began, and how long it waited to receive."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+    wait: float
+
+
+class StepReport(NamedTuple):
+    """What a step did on this rank.
+
+    Attributes:
+        events: every action in the order it ran (for timelines).
+        peak_live: stage -> the most micro-batches whose graph (activations) it kept at once.
+        peak_held: the most graphs this rank (all its stages) kept at once
+            (``simulate(schedule).peak_held[rank]``).
+        start: ``time.perf_counter()`` when the step began (events are relative to it;
+            ``timeline.from_actions(rank, report.events, offset=report.start)``).
+    """
+
+    events: tuple[Event, ...]
+    peak_live: dict[int, int]
+    peak_held: int
+    start: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """Everything a step needs besides the values: made once by ``pipeline_stages``.
+
+    Attributes:
+        stages: the :class:`~.stage.StagePlan`.
+        schedule: the schedule (``n_microbatches`` is the step's micro-batch count).
+        ax: the resolved pp axis.
+        loss_fn: ``loss_fn(out, targets) -> scalar mean``.
+        forwards: per stage, ``fn(params, x)`` (the stage, possibly under remat).
+        declared: per stage boundary ``s`` (output of stage ``s``), its declared
+            per-micro-batch shape and dtype, or None (exchanged in headers).
+        plain: per stage, whether ``forwards[s]`` is the plain unit chain, whose unit
+            outputs split backward can use (see :class:`_Kept`).
+        device: where messages are allocated (the mesh's device).
+    """
+
+    stages: StagePlan
+    schedule: Schedule
+    ax: Axis
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    forwards: tuple[Callable[[Mapping[str, torch.Tensor], Any], Any], ...]
+    declared: tuple[Declared | None, ...] | None
+    plain: tuple[bool, ...] = ()
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def rank(self) -> int:
+        return self.ax.index
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages.stages)
+
+    def tag_of(self, key: tuple) -> int:
+        kind, stage, microbatch = key
+        m = self.schedule.n_microbatches
+        return (_KINDS.index(kind) * self.n_stages + stage) * m + microbatch
+
+    @functools.cached_property
+    def releases(self) -> dict[tuple, tuple[tuple, ...]]:
+        """``(key, src)`` received -> this rank's sends that are surely complete by then.
+
+        The peer sent ``key`` after receiving those (its schedule says so), so
+        waiting for them then does not block: the send buffers are freed early,
+        not at the step's end (on gloo a send is not done until waited).
+        """
+        return release_points(self.schedule, self.rank)
+
+    def declared_of(self, key: tuple) -> Declared | None:
+        kind, stage, _ = key
+        if self.declared is None or kind not in ("act", "grad"):
+            return None
+        boundary = stage if kind == "act" else stage - 1  # grad of stage s's input
+        found = self.declared[boundary]
+        if kind == "grad" and not (found.dtype.is_floating_point or found.dtype.is_complex):
+            return None  # an integer activation has no gradient: a NONE header alone
+        return found
+
+
+def split_microbatches(x: Any, m: int) -> list[Any]:
+    """``m`` pieces of ``x`` on dim 0 (``torch.tensor_split``: sizes differ by at most one)."""
+    if x is None:
+        return [None] * m
+    return list(torch.tensor_split(x, m, dim=0))
+
+
+class _Kept(NamedTuple):
+    """One micro-batch's graph of one stage, from F to its last backward piece.
+
+    ``pieces`` are ``(root, names)``: the parameters ``names`` get their gradients
+    by differentiating ``root``. Without split backward there is one piece, the
+    stage's output (the scaled loss on the last stage) and all its parameters.
+    With split backward and a plain unit chain, one piece per unit: its output's
+    graph edge (``get_gradient_edge``: the node, not the data, so nothing is kept
+    alive that the graph would not keep) and its parameters (the last unit's root
+    is the stage's). ``B`` then asks autograd for the input gradient *and* the
+    gradients at the unit outputs, and ``W`` differentiates each unit's output
+    alone down to its own parameters, so ``W`` does not run the input-gradient
+    path through the stage again.
+    """
+
+    x: Any  # the stage's input (a leaf requiring grad when it is floating and s > 0)
+    out: torch.Tensor  # the output, or the scaled loss on the last stage
+    pieces: tuple[tuple[Any, tuple[str, ...]], ...]  # (Tensor | GradientEdge | None, names)
+    piece_grads: tuple[torch.Tensor | None, ...] | None  # set by B (split backward)
+
+
+class StepState:
+    """One rank's state during one step (:func:`run_step`, and ``inference.run_forward``)."""
+
+    def __init__(self, plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs, targets,
+                 messenger: Messenger):
+        self.plan = plan
+        self.leaves = leaves
+        m = plan.schedule.n_microbatches
+        self.inputs = split_microbatches(inputs, m)
+        self.targets = split_microbatches(targets, m)
+        self.batch = inputs.shape[0]
+        self.messenger = messenger
+        self.local: dict[tuple, Any] = {}
+        self.kept: dict[tuple[int, int], _Kept] = {}
+        self.grads = {n: None for st in plan.stages.on_rank(plan.rank) for n in st.trainable}
+        self.loss: torch.Tensor | None = None
+        self.peak_live: dict[int, int] = {st.index: 0 for st in plan.stages.on_rank(plan.rank)}
+        self.peak_held = 0
+        self.owned: set[str] = set()  # gradients summed into a tensor of our own (in place)
+        self.events: list[Event] = []
+        self.wait = 0.0
+        self.t0 = time.perf_counter()
+
+    # -- messages -------------------------------------------------------------------------
+    def give(self, kind: str, stage: int, microbatch: int, tensor: torch.Tensor | None) -> None:
+        dst = stage_rank(stage + 1 if kind == "act" else stage - 1, self.plan.schedule.n_ranks)
+        key = (kind, stage, microbatch)
+        if dst == self.plan.rank:
+            self.local[key] = None if tensor is None else tensor.detach()
+        else:
+            self.messenger.send(key, dst, tensor, OK if tensor is not None else NONE)
+
+    def take(self, kind: str, stage: int, microbatch: int) -> torch.Tensor | None:
+        src = stage_rank(stage, self.plan.schedule.n_ranks)
+        key = (kind, stage, microbatch)
+        if src == self.plan.rank:
+            return self.local.pop(key)
+        start = time.perf_counter()
+        try:
+            value = self.messenger.recv(key, src)
+        finally:
+            self.wait += time.perf_counter() - start
+        for sent in self.plan.releases.get((key, src), ()):
+            self.messenger.wait_sent(*sent)
+        return value
+
+    # -- actions --------------------------------------------------------------------------
+    def forward(self, s: int, i: int) -> None:
+        with mem.category(f"pipeline.stage{s}"):  # what the kept graph holds, input included
+            self._forward(s, i)
+
+    def _forward(self, s: int, i: int) -> None:
+        plan = self.plan
+        x = self.inputs[i] if s == 0 else self.take("act", s - 1, i)
+        if s > 0 and (x.is_floating_point() or x.is_complex()):
+            x = x.detach().requires_grad_(True)
+        stage = plan.stages.stages[s]
+        units: list | None = None
+        with torch.enable_grad():
+            if plan.schedule.split_backward and plan.plain and plan.plain[s]:
+                units = []  # a unit output's graph edge, not the tensor: its data may be freed
+
+                def keep(h: Any) -> None:
+                    units.append(get_gradient_edge(h) if _needs_grad(h) and h is not x else None)
+
+                out = plan.stages.forward(stage, self.leaves, x, keep=keep)
+            else:
+                out = plan.forwards[s](self.leaves, x)
+            if s == plan.n_stages - 1:
+                loss = plan.loss_fn(out, self.targets[i])
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise ValueError(f"pipeline loss_fn must return a scalar tensor (the mean "
+                                     f"over the micro-batch), got {describe(loss)} for "
+                                     f"micro-batch {i}")
+                out = loss * (self.inputs[i].shape[0] / self.batch)
+                self.loss = out.detach() if self.loss is None else self.loss + out.detach()
+        if s < plan.n_stages - 1:
+            self.check_output(s, i, out)
+            self.give("act", s, i, out)
+        if units is None:
+            pieces = ((out, stage.trainable),)
+        else:
+            pieces = (*zip(units[:-1], stage.unit_trainable[:-1], strict=True),
+                      (out, stage.unit_trainable[-1]))
+        self.kept[(s, i)] = _Kept(x, out, pieces, None)
+        live = sum(1 for (stage, _) in self.kept if stage == s)
+        self.peak_live[s] = max(self.peak_live[s], live)
+        self.peak_held = max(self.peak_held, len(self.kept))
+
+    def check_output(self, s: int, i: int, out: Any) -> None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"pipeline stage {s} returned {describe(out)} for micro-batch {i}; "
+                            "a stage must return one tensor (the next stage's input)")
+        declared = None if self.plan.declared is None else self.plan.declared[s]
+        if declared is not None and (tuple(out.shape) != tuple(declared.shape)
+                                     or out.dtype != declared.dtype):
+            raise ValueError(f"pipeline stage {s} output for micro-batch {i} has shape "
+                             f"{tuple(out.shape)} {out.dtype}, but shapes= declared "
+                             f"{tuple(declared.shape)} {declared.dtype} (on pp rank "
+                             f"{self.plan.rank})")
+
+    def backward(self, s: int, i: int, weights: bool) -> None:
+        """``B``: the input gradient, sent on; with ``weights`` also the parameter gradients
+        (the graph is then freed), else the gradients at the pieces' roots, kept for W."""
+        kept = self.kept.pop((s, i))
+        last = s == self.plan.n_stages - 1
+        grad_out = None if last else self.take("grad", s + 1, i)
+        x_wrt = [kept.x] if s > 0 and _needs_grad(kept.x) else []
+        if weights:
+            names = kept.pieces[0][1]
+            wrt = x_wrt + [self.leaves[n] for n in names]
+        else:  # the roots of the pieces before the last, once each
+            roots = {_edge_key(r): r for r, names in kept.pieces[:-1]
+                     if names and r is not None}
+            wrt = x_wrt + list(roots.values())
+        found: Sequence[torch.Tensor | None] = [None] * len(wrt)
+        if wrt and kept.out.requires_grad and (last or grad_out is not None):
+            with mem.category(f"pipeline.stage{s}.backward"):
+                found = torch.autograd.grad(kept.out, wrt, grad_outputs=grad_out,
+                                            retain_graph=not weights, allow_unused=True)
+        if s > 0:
+            self.give("grad", s, i, found[0] if x_wrt else None)
+        if weights:
+            self._accumulate(names, found[len(x_wrt):])
+            return
+        by_root = {_edge_key(r): g for r, g in zip(wrt[len(x_wrt):], found[len(x_wrt):],
+                                                    strict=True)}
+        grads = tuple(None if r is None else by_root.get(_edge_key(r))
+                      for r, _ in kept.pieces[:-1]) + (grad_out,)
+        self.kept[(s, i)] = kept._replace(piece_grads=grads)
+
+    def weight_grads(self, s: int, i: int) -> None:
+        """``W``: each piece's parameter gradients from the gradient B found at its root."""
+        kept = self.kept.pop((s, i))
+        last = s == self.plan.n_stages - 1
+        for k, ((root, names), grad) in enumerate(zip(kept.pieces, kept.piece_grads,
+                                                      strict=True)):
+            starts_here = last and k == len(kept.pieces) - 1  # the scaled loss itself
+            if not names or root is None or (grad is None and not starts_here) or \
+                    (isinstance(root, torch.Tensor) and not root.requires_grad):
+                continue
+            with mem.category(f"pipeline.stage{s}.backward"):
+                found = torch.autograd.grad(root, [self.leaves[n] for n in names],
+                                            grad_outputs=grad, retain_graph=True,
+                                            allow_unused=True)
+            self._accumulate(names, found)
+
+    def _accumulate(self, names: Sequence[str], found: Sequence[torch.Tensor | None]) -> None:
+        for name, grad in zip(names, found, strict=True):
+            if grad is None:
+                continue
+            total = self.grads[name]
+            if total is None:
+                self.grads[name] = grad  # autograd's: may alias a tensor we do not own
+            elif name in self.owned:
+                total.add_(grad)
+            else:
+                self.grads[name] = total + grad
+                self.owned.add(name)
+
+    def run(self, action: Action) -> None:
+        start, self.wait = time.perf_counter(), 0.0
+        kind, s, i = action
+        if kind == "F":
+            self.forward(s, i)
+        elif kind == "B":
+            self.backward(s, i, weights=not self.plan.schedule.split_backward)
+        elif kind == "W":
+            self.weight_grads(s, i)
+        else:
+            raise ValueError(f"pipeline schedule {self.plan.schedule.name!r}: unknown action "
+                             f"kind {kind!r} in {action}")
+        self.events.append(Event(kind, s, i, start - self.t0, time.perf_counter() - self.t0,
+                                 self.wait))
+
+
+def _edge_key(edge: Any) -> tuple[int, int]:
+    return id(edge.node), edge.output_nr
+
+
+def _needs_grad(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def settle_and_raise(step_messenger: Messenger, owed, expected, error: BaseException,
+                      where: str) -> None:
+    text = str(error) if isinstance(error, PeerFailed) else \
+        f"{type(error).__name__}: {error} (in {where})"
+    try:
+        step_messenger.settle(owed, expected, text)
+    finally:
+        if hasattr(error, "add_note"):
+            error.add_note(where)
+    raise error
+
+
+def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
+             inputs: torch.Tensor, targets: Any
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor], StepReport]:
+    """Run this rank's actions of ``plan.schedule`` on one batch.
+
+    Args:
+        plan: the step plan.
+        prepare: checks the call's arguments and returns this rank's leaves (trainable
+            ones leaves requiring grad); run inside the error handling, so a bad
+            argument on one rank stops the others too.
+        inputs: the whole batch's inputs (split on dim 0; only stage 0 reads them).
+        targets: the whole batch's targets (split alike; only the last stage reads them).
+
+    Returns:
+        ``(loss, grads, report)``: the loss over the whole batch (on every pp rank),
+        this rank's trainable gradients summed over micro-batches (zeros for unused
+        leaves) and the :class:`StepReport`.
+    """
+    messenger = Messenger(plan.ax, plan.tag_of, plan.declared_of, plan.device)
+    owed, expected = message_lists(plan.schedule, plan.rank)
+    action: Action | None = None
+    try:
+        leaves = prepare()
+        step = StepState(plan, leaves, inputs, targets, messenger)
+        for action in plan.schedule.actions[plan.rank]:
+            step.run(action)
+        holder = stage_rank(plan.n_stages - 1, plan.schedule.n_ranks)
+        if plan.rank == holder:
+            for r in range(plan.schedule.n_ranks):
+                if r != plan.rank:
+                    step.messenger.send(("loss", 0, 0), r, step.loss)
+        else:
+            step.loss = step.messenger.recv(("loss", 0, 0), holder)
+        step.messenger.finish()
+    except BaseException as error:  # every rank settles its messages, then raises
+        where = (f"pipeline step on pp rank {plan.rank}, during {action_text(action)} of "
+                 f"schedule {plan.schedule.name!r}")
+        settle_and_raise(messenger, owed, expected, error, where)
+    grads = {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in step.grads.items()}
+    return step.loss, grads, StepReport(tuple(step.events), step.peak_live, step.peak_held, step.t0)
+
+
+def action_text(action: Action | None) -> str:
+    if action is None:
+        return "the start"
+    names = {"F": "forward", "B": "backward", "W": "weight gradient"}
+    return f"{names.get(action.kind, action.kind)} of stage {action.stage}, micro-batch " \
+           f"{action.microbatch}"

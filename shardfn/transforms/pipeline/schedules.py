@@ -1,0 +1,258 @@
+"""Pipeline schedules as data: for each pp rank, the ordered list of actions it runs.
+
+A schedule does no work and no communication: the runtime
+(:mod:`shardfn.transforms.pipeline`) executes each rank's actions in order,
+receiving a stage's input (or output gradient) from the neighbouring stage's
+rank when the action needs it and sending its result on.
+
+Stages are *virtual*: with ``n_virtual`` chunks per rank there are
+``n_stages = n_ranks * n_virtual`` stages, placed looped: stage ``s`` lives on
+rank ``s % n_ranks`` (so rank ``r`` holds stages ``r, r + p, r + 2p, ...``).
+
+Schedules (``make_schedule(name, ...)``):
+
+* ``"gpipe"``: every forward, then every backward (activations of all ``m``
+  micro-batches held); with ``n_virtual > 1`` it is the looped breadth-first
+  order (torch's ``ScheduleLoopedBFS``).
+* ``"1f1b"``: PipeDream-flush: rank ``r`` runs ``p - r - 1`` warm-up forwards,
+  then alternates one forward and one backward, then the cool-down backwards.
+  At most ``p - r`` micro-batches are in flight on rank ``r``.
+* ``"interleaved"`` (alias ``"interleaved_1f1b"``): Megatron's interleaved 1F1B
+  over ``n_virtual`` chunks per rank, in the generalised form of torch's
+  ``ScheduleInterleaved1F1B``: micro-batches go in rounds of
+  ``g = m // max(1, m // p)``, so ``m`` must be a multiple of
+  ``max(1, m // p)`` (``m % p == 0``, Megatron's rule, is the common case;
+  ``m < p`` is one round). With ``n_virtual == 1`` it is ``"1f1b"``.
+* ``"zb-h1"``: zero bubble H1 (Qi et al. 2023, the handcrafted schedule):
+  backward split into ``B`` (input gradient, on the critical path) and ``W``
+  (weight gradient); the 1F1B order with rank ``r``'s first ``r`` weight
+  gradients deferred, so the input gradients reach the first stage sooner and
+  the deferred ``W`` fill the cool-down. Peak activations ``p`` micro-batches
+  (rank 0), as 1F1B.
+
+Only ``"interleaved"`` and ``"gpipe"`` take ``n_virtual > 1``.
+
+Action kinds:
+
+* ``"F"``: forward of ``stage`` on ``microbatch``;
+* ``"B"``: backward; the full backward (input and weight gradients) unless the
+  schedule has ``split_backward``, then only the input gradient;
+* ``"W"``: the weight gradient (only in schedules with ``split_backward``).
+
+Example:
+    >>> s = make_schedule("gpipe", n_ranks=2, n_microbatches=2)
+    >>> [a.kind + str(a.microbatch) for a in s.actions[0]]
+    ['F0', 'F1', 'B0', 'B1']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+__all__ = ["SCHEDULES", "Action", "Schedule", "make_schedule", "stage_rank"]
+
+
+class Action(NamedTuple):
+    """One step of a rank's schedule.
+
+    Attributes:
+        kind: ``"F"`` (forward), ``"B"`` (backward, or input-gradient only when the
+            schedule splits backward) or ``"W"`` (weight gradient).
+        stage: the (virtual) stage index, ``0 .. n_stages - 1``.
+        microbatch: the micro-batch index, ``0 .. n_microbatches - 1``.
+    """
+
+    kind: str
+    stage: int
+    microbatch: int
+
+
+class Schedule(NamedTuple):
+    """Every pp rank's ordered actions; see the module docstring.
+
+    Attributes:
+        name: the schedule's name (``"gpipe"``, ``"1f1b"``, ...).
+        n_ranks: pp ranks.
+        n_virtual: stages (chunks) per rank.
+        n_microbatches: micro-batches per step.
+        split_backward: ``"B"`` is the input gradient only and ``"W"`` actions exist.
+        actions: ``actions[r]`` is rank ``r``'s actions in execution order.
+    """
+
+    name: str
+    n_ranks: int
+    n_virtual: int
+    n_microbatches: int
+    split_backward: bool
+    actions: tuple[tuple[Action, ...], ...]
+
+    @property
+    def n_stages(self) -> int:
+        return self.n_ranks * self.n_virtual
+
+
+def stage_rank(stage: int, n_ranks: int) -> int:
+    """The pp rank that holds ``stage`` (looped placement)."""
+    return stage % n_ranks
+
+
+def _gpipe(n_ranks: int, n_microbatches: int, n_virtual: int) -> Schedule:
+    stages = n_ranks * n_virtual
+    actions = []
+    for rank in range(n_ranks):
+        mine = [s for s in range(stages) if stage_rank(s, n_ranks) == rank]
+        fwd = [Action("F", s, i) for s in mine for i in range(n_microbatches)]
+        bwd = [Action("B", s, i) for s in reversed(mine) for i in range(n_microbatches)]
+        actions.append(tuple(fwd + bwd))
+    return Schedule("gpipe", n_ranks, n_virtual, n_microbatches, False, tuple(actions))
+
+
+def _ranked_1f1b(warmup: int, n_ops: int, forward_stage: Callable[[int], int],
+                 backward_stage: Callable[[int], int], deferred_w: int | None) -> list[Action]:
+    """One rank's warm-up / steady 1F1B / cool-down order (the shape torch's schedules share).
+
+    Args:
+        warmup: forwards before the first backward.
+        n_ops: forwards (= backwards) this rank runs: ``n_virtual * m``.
+        forward_stage: ``k -> stage`` of the ``k``-th forward.
+        backward_stage: ``k -> stage`` of the ``k``-th backward.
+        deferred_w: ``None``: no split backward; else the number of weight gradients held
+            back before each ``B`` is followed by the oldest pending ``W``.
+
+    Returns:
+        The rank's actions; micro-batches count up per stage.
+    """
+    next_mb: dict[tuple[str, int], int] = {}
+    pending_w: list[Action] = []
+    out: list[Action] = []
+
+    def take(kind: str, stage: int) -> Action:
+        mb = next_mb.get((kind, stage), 0)
+        next_mb[(kind, stage)] = mb + 1
+        return Action(kind, stage, mb)
+
+    def backward(k: int) -> None:
+        out.append(take("B", backward_stage(k)))
+        if deferred_w is None:
+            return
+        pending_w.append(Action("W", out[-1].stage, out[-1].microbatch))
+        if k >= deferred_w:
+            out.append(pending_w.pop(0))
+
+    for k in range(warmup):
+        out.append(take("F", forward_stage(k)))
+    for k in range(n_ops - warmup):
+        out.append(take("F", forward_stage(warmup + k)))
+        backward(k)
+    for k in range(n_ops - warmup, n_ops):
+        backward(k)
+    return out + pending_w
+
+
+def _one_f_one_b(n_ranks: int, n_microbatches: int, n_virtual: int) -> Schedule:
+    actions = tuple(tuple(_ranked_1f1b(
+        min(n_ranks - r - 1, n_microbatches), n_microbatches,
+        lambda k, r=r: r, lambda k, r=r: r, None)) for r in range(n_ranks))
+    return Schedule("1f1b", n_ranks, 1, n_microbatches, False, actions)
+
+
+def interleaved_round(n_ranks: int, n_microbatches: int) -> int:
+    """Micro-batches per round of the interleaved schedule: ``m // max(1, m // p)``.
+
+    Raises:
+        ValueError: ``m`` is not a multiple of the number of rounds ``max(1, m // p)``.
+
+    Example:
+        >>> interleaved_round(4, 8), interleaved_round(4, 10), interleaved_round(4, 3)
+        (4, 5, 3)
+    """
+    rounds = max(1, n_microbatches // n_ranks)
+    if n_microbatches % rounds:
+        valid = [k for k in range(max(1, n_microbatches - n_ranks), n_microbatches + n_ranks)
+                 if k % max(1, k // n_ranks) == 0]
+        raise ValueError(
+            f"schedule 'interleaved' runs micro-batches in rounds of m // max(1, m // p); "
+            f"m={n_microbatches} is not a multiple of its {rounds} rounds with p={n_ranks} "
+            f"ranks (m % p == 0 always works; nearby valid m: {valid})")
+    return n_microbatches // rounds
+
+
+def _interleaved(n_ranks: int, n_microbatches: int, n_virtual: int) -> Schedule:
+    if n_virtual == 1:
+        return _one_f_one_b(n_ranks, n_microbatches, 1)._replace(name="interleaved")
+    per_round = interleaved_round(n_ranks, n_microbatches)
+    n_ops = n_virtual * n_microbatches
+    actions = []
+    for r in range(n_ranks):
+        warmup = min((n_virtual - 1) * per_round + 2 * (n_ranks - 1 - r), n_ops)
+
+        def forward_stage(k: int, r: int = r) -> int:
+            return (k // per_round) % n_virtual * n_ranks + r
+
+        def backward_stage(k: int, r: int = r) -> int:
+            return (n_virtual - 1 - (k // per_round) % n_virtual) * n_ranks + r
+
+        actions.append(tuple(_ranked_1f1b(warmup, n_ops, forward_stage, backward_stage,
+                                          None)))
+    return Schedule("interleaved", n_ranks, n_virtual, n_microbatches, False, tuple(actions))
+
+
+def _zb_h1(n_ranks: int, n_microbatches: int, n_virtual: int) -> Schedule:
+    actions = tuple(tuple(_ranked_1f1b(
+        min(n_ranks - r - 1, n_microbatches), n_microbatches,
+        lambda k, r=r: r, lambda k, r=r: r, r)) for r in range(n_ranks))
+    return Schedule("zb-h1", n_ranks, 1, n_microbatches, True, actions)
+
+
+#: name -> (builder, takes n_virtual > 1)
+SCHEDULES: dict[str, tuple[Callable[[int, int, int], Schedule], bool]] = {
+    "gpipe": (_gpipe, True),
+    "1f1b": (_one_f_one_b, False),
+    "interleaved": (_interleaved, True),
+    "interleaved_1f1b": (_interleaved, True),
+    "zb-h1": (_zb_h1, False),
+}
+
+
+def _check_count(what: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"make_schedule: {what} must be an int >= 1, got {value!r}")
+
+
+def make_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1) -> Schedule:
+    """Build the named schedule (see the module docstring for each one's order).
+
+    Args:
+        name: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (= ``"interleaved_1f1b"``) or
+            ``"zb-h1"``.
+        n_ranks: pp ranks ``p`` (>= 1).
+        n_microbatches: micro-batches per step ``m`` (>= 1); ``"interleaved"`` needs ``m``
+            to be a multiple of ``max(1, m // p)`` (:func:`interleaved_round`).
+        n_virtual: stages per rank (>= 1); above 1 only for ``"interleaved"`` and
+            ``"gpipe"``.
+
+    Returns:
+        The :class:`Schedule`; :func:`shardfn.transforms.pipeline.simulate.validate` passes
+        on it.
+
+    Raises:
+        ValueError: an unknown name, a count below 1, ``n_virtual > 1`` for a schedule
+            with one stage per rank, or an ``m`` the interleaved rounds do not divide.
+
+    Example:
+        >>> s = make_schedule("1f1b", 2, 3)
+        >>> [a.kind + str(a.microbatch) for a in s.actions[0]]
+        ['F0', 'F1', 'B0', 'F2', 'B1', 'B2']
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"make_schedule: unknown schedule {name!r}; "
+                         f"choose one of {sorted(SCHEDULES)}")
+    _check_count("n_ranks", n_ranks)
+    _check_count("n_microbatches", n_microbatches)
+    _check_count("n_virtual", n_virtual)
+    build, virtual = SCHEDULES[name]
+    if n_virtual > 1 and not virtual:
+        raise ValueError(f"make_schedule: schedule {name!r} runs one stage per rank; "
+                         f"n_virtual={n_virtual} needs 'interleaved' (or 'gpipe')")
+    return build(n_ranks, n_microbatches, n_virtual)

@@ -1,0 +1,193 @@
+"""Stages: which units each pipeline stage runs, which leaves it holds, and its forward.
+
+The model is a list of *units* (an ``nn.Sequential``'s children, or modules
+given as a list). ``balance[s]`` units go to stage ``s``, in order; stage ``s``
+lives on pp rank ``s % p`` (looped, :func:`~.schedules.stage_rank`). Leaves keep
+the names of ``sf.functional(nn.Sequential(*units))`` (``"3.weight"`` is unit 3's
+``weight``), and each unit is initialised as that model's ``init`` does it (the
+same per-submodule seeds), so a rank builds exactly its slice of the full tree.
+
+Example:
+    >>> plan = plan_stages([nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1)], [2, 1], 2)
+    >>> plan.stages[1].units, plan.stages[1].names
+    ((2,), ('2.weight', '2.bias'))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardfn.functional import FunctionalModel, functional
+from shardfn.transforms.pipeline.schedules import stage_rank
+
+__all__ = ["Stage", "StagePlan", "as_units", "check_balance", "plan_stages", "stage_module"]
+
+Params = dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One pipeline stage.
+
+    Attributes:
+        index: the stage number ``s`` (``0 .. n_stages - 1``).
+        rank: the pp axis index that holds it.
+        units: the unit indices it runs, in order.
+        names: the leaves (parameters and buffers) of those units, full-tree names.
+        trainable: the trainable parameters among ``names``.
+        unit_trainable: per unit (in ``units`` order), its trainable parameters.
+    """
+
+    index: int
+    rank: int
+    units: tuple[int, ...]
+    names: tuple[str, ...]
+    trainable: tuple[str, ...]
+    unit_trainable: tuple[tuple[str, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StagePlan:
+    """Every stage of a pipeline, and the functional models of the units.
+
+    Attributes:
+        full: ``sf.functional(nn.Sequential(*units))``: names, shapes and init.
+        unit_models: ``sf.functional(unit)`` for each unit (what a stage applies).
+        stages: all stages, in order.
+        n_ranks: pp ranks.
+    """
+
+    full: FunctionalModel
+    unit_models: tuple[FunctionalModel, ...]
+    stages: tuple[Stage, ...]
+    n_ranks: int
+
+    def on_rank(self, rank: int) -> tuple[Stage, ...]:
+        """The stages pp rank ``rank`` holds, in stage order."""
+        return tuple(stage for stage in self.stages if stage.rank == rank)
+
+    def layout(self) -> dict[str, int]:
+        """Leaf name -> the pp axis index that holds it, in full-tree order."""
+        rank_of = {name: stage.rank for stage in self.stages for name in stage.names}
+        return {name: rank_of[name] for name in self.full.names}
+
+    def init(self, seed: int, rank: int, device: torch.device | str | None = None) -> Params:
+        """The leaves of pp rank ``rank``'s stages, equal to those of ``full.init(seed)``."""
+        paths = [str(u) for stage in self.on_rank(rank) for u in stage.units]
+        return self.full.init_subset(seed, paths, device=device, recurse=True)
+
+    def forward(self, stage: Stage, params: Mapping[str, torch.Tensor], x: Any,
+                keep: Callable[[Any], None] | None = None) -> Any:
+        """Run ``stage``'s units on ``x`` with ``params`` (at least the stage's leaves);
+        ``keep``, if given, is called with each unit's output as soon as it is made."""
+        for unit in stage.units:
+            prefix = f"{unit}."
+            model = self.unit_models[unit]
+            x = model.apply({name: params[prefix + name] for name in model.names}, x)
+            if keep is not None:
+                keep(x)
+        return x
+
+    def stage_forward(self, stage: Stage) -> Callable[[Mapping[str, torch.Tensor], Any], Any]:
+        """``fn(params, x)``: :meth:`forward` of one stage, as a plain function."""
+        return lambda params, x: self.forward(stage, params, x)
+
+
+def stage_module(units: Sequence[nn.Module], stage: Stage) -> nn.Sequential:
+    """An ``nn.Sequential`` of ``stage``'s units under their full-model indices, so its
+    leaves have the full tree's names (``"3.weight"``) and ``sf.functional`` of it
+    initialises them as the full model's ``init`` does (same submodule paths, same seeds).
+    """
+    return nn.Sequential(OrderedDict((str(u), units[u]) for u in stage.units))
+
+
+def as_units(model: nn.Module | Sequence[nn.Module]) -> tuple[nn.Module, ...]:
+    """The units of ``model``: an ``nn.Sequential``'s children, or a list of modules.
+
+    Raises:
+        TypeError: anything else, or an entry that is not an ``nn.Module``.
+        ValueError: no units.
+    """
+    if isinstance(model, nn.Sequential):
+        units = tuple(model)
+    elif isinstance(model, (list, tuple)):
+        units = tuple(model)
+    else:
+        raise TypeError("pipeline_stages takes an nn.Sequential or a list of nn.Modules (the "
+                        f"units), got {type(model).__name__}")
+    for i, unit in enumerate(units):
+        if not isinstance(unit, nn.Module):
+            raise TypeError(f"pipeline_stages: unit {i} is a {type(unit).__name__}, not an "
+                            "nn.Module")
+    if not units:
+        raise ValueError("pipeline_stages: the model has no units")
+    return units
+
+
+def check_balance(balance: Sequence[int], n_units: int, n_stages: int) -> tuple[int, ...]:
+    """Validate an explicit balance: ``n_stages`` positive unit counts summing to ``n_units``.
+
+    Raises:
+        ValueError: naming what is wrong and what would be valid.
+    """
+    if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
+        raise TypeError(f"balance must be a list of unit counts per stage, 'params' or "
+                        f"'time', got {balance!r}")
+    counts = tuple(balance)
+    bad = [c for c in counts if isinstance(c, bool) or not isinstance(c, int)]
+    if bad:
+        raise TypeError(f"balance entries must be ints (units per stage), got {bad}")
+    if len(counts) != n_stages:
+        raise ValueError(f"balance {list(counts)} has {len(counts)} entries, but the pipeline "
+                         f"has {n_stages} stages (pp size x virtual): give one unit count per "
+                         "stage")
+    empty = [s for s, c in enumerate(counts) if c < 1]
+    if empty:
+        raise ValueError(f"balance {list(counts)}: stages {empty} have no units (every stage "
+                         "needs at least one)")
+    if sum(counts) != n_units:
+        raise ValueError(f"balance {list(counts)} covers {sum(counts)} units, but the model "
+                         f"has {n_units}: the counts must add up to the number of units")
+    return counts
+
+
+def _check_ties(full: FunctionalModel) -> None:
+    for alias, owner in full.tied.items():
+        if alias.split(".", 1)[0] != owner.split(".", 1)[0]:
+            raise ValueError(f"pipeline_stages: {alias!r} is tied to {owner!r} in another unit; "
+                             "weights tied across units are not supported (untie them, or put "
+                             "both uses in one unit)")
+
+
+def plan_stages(units: Sequence[nn.Module], balance: Sequence[int], n_ranks: int) -> StagePlan:
+    """Split ``units`` into ``len(balance)`` stages placed looped over ``n_ranks`` pp ranks.
+
+    Args:
+        units: the modules, in order.
+        balance: units per stage (validated by :func:`check_balance` beforehand).
+        n_ranks: pp ranks.
+
+    Returns:
+        The :class:`StagePlan`.
+    """
+    full = functional(nn.Sequential(*units))
+    _check_ties(full)
+    unit_models = tuple(functional(unit) for unit in units)
+    trainable = set(full.trainable_names)
+    stages, start = [], 0
+    for index, count in enumerate(balance):
+        unit_ids = tuple(range(start, start + count))
+        start += count
+        prefixes = tuple(f"{u}." for u in unit_ids)
+        names = tuple(n for n in full.names if n.startswith(prefixes))
+        per_unit = tuple(tuple(n for n in names if n in trainable and n.startswith(f"{u}."))
+                         for u in unit_ids)
+        stages.append(Stage(index, stage_rank(index, n_ranks), unit_ids, names,
+                            tuple(n for n in names if n in trainable), per_unit))
+    return StagePlan(full, unit_models, tuple(stages), n_ranks)
