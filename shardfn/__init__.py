@@ -62,6 +62,7 @@ from shardfn.transforms import (
     vocab_parallel_cross_entropy,
     with_precision,
 )
+from shardfn.transforms.pipeline import PipelineModel, StepReport, pipeline_stages
 from shardfn.transforms.remat import Offload, checkpoint_name, checkpoint_policies, remat
 
 __version__ = "0.1.0"
@@ -69,6 +70,9 @@ __version__ = "0.1.0"
 __all__ = [
     "checkpoint",
     "Colwise",
+    "PipelineModel",
+    "StepReport",
+    "pipeline_stages",
     "CommStats",
     "ConsistencyError",
     "DataParallel",
