@@ -1,8 +1,9 @@
 """Tensor-parallel step time and memory: shardfn tensor_split against torch parallelize_module.
 
-Each model is trained by both systems from the same weights on the same
-batches (every rank gets the whole batch, as tensor parallelism wants), with
-AdamW; the two are measured in one run, interleaved step by step. Models:
+Each model is trained by every system (shardfn twice, torch once) from the same
+weights on the same batches (every rank gets the whole batch, as tensor
+parallelism wants), with AdamW; all are measured in one run, interleaved step
+by step. Models:
 
 * ``mlp``: the data-parallel benchmark's model (``bench_dp.MLPModel``: residual
   blocks ``x + fc2(gelu(fc1(norm(x))))`` and a final projection), ``fc1``
@@ -41,7 +42,7 @@ of the rank, all its threads; max over ranks: less sensitive than the wall
 clock to other jobs on a shared machine), the persistent bytes per rank (params + grads +
 optimizer state, distinct storages of the local tensors) and the peak resident
 memory of one more step above what was resident before it (``VmHWM`` after
-``malloc_trim`` and a reset of the high-water mark; the same method for both,
+``malloc_trim`` and a reset of the high-water mark; the same method for all,
 max over ranks).
 
 Run (about 2-3 minutes on 2 idle cores):
@@ -558,7 +559,7 @@ def table(groups: list[dict]) -> str:
     lines = ["| model | plan | shardfn ms | torch ms | ratio (target ≤ 1.0) "
              "| CPU ms/step/rank shardfn / torch (ratio) "
              "| shardfn MiB/rank: state (p+g+opt) / step peak | torch MiB/rank: same "
-             "| first loss (both = unsplit) | max rel diff at the end |",
+             "| first loss (all = unsplit) | max rel diff at the end |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for g, name in ((g, name) for g in groups for name in SHARDFN_STEPS):
         sf_row, torch_row = g["rows"][name], g["rows"]["torch"]
