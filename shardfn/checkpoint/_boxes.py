@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["Box", "Chunk", "block_boxes", "box_chunks", "flat_range_rects", "fused_boxes",
-           "piece_chunks"]
+           "piece_chunks", "row_split_boxes"]
 
 
 class Box(NamedTuple):
@@ -103,6 +103,32 @@ def fused_boxes(shape: Sequence[int], parts: int, ranks: int, index: int) -> lis
     zeros = (0,) * len(rest)
     return [Box((k * block, *zeros), (k * part_rows + index * block, *zeros), (block, *rest))
             for k in range(parts)]
+
+
+def row_split_boxes(boxes: Sequence[Box], rows: int, ranks: int, index: int) -> list[Box]:
+    """The boxes of block ``index`` of dim 0 of a tensor laid out by ``boxes``, split over
+    ``ranks`` by ``sf.shard``'s rule (blocks of ``ceil(rows / ranks)``, zero-padded).
+
+    A split of a split: FSDP over dp of a tensor-parallel shard (``FsdpTpLayout``).
+    ``boxes`` place the ``rows``-row tensor in the global one; the result places this
+    rank's block (its rows ``[index * block, ...)``, local row 0 at the block's start).
+
+    Example:
+        >>> row_split_boxes([Box((0, 0), (4, 0), (4, 3))], 4, 2, 1)
+        [Box(local_start=(0, 0), global_offset=(6, 0), sizes=(2, 3))]
+    """
+    block = math.ceil(rows / ranks) if rows else 0
+    lo, hi = min(index * block, rows), min((index + 1) * block, rows)
+    out = []
+    for box in boxes:
+        start, stop = max(lo, box.local_start[0]), min(hi, box.local_start[0] + box.sizes[0])
+        if start >= stop:
+            continue
+        out.append(Box((start - lo, *box.local_start[1:]),
+                       (box.global_offset[0] + start - box.local_start[0],
+                        *box.global_offset[1:]),
+                       (stop - start, *box.sizes[1:])))
+    return out
 
 
 def box_chunks(boxes: Sequence[Box]) -> list[Chunk]:

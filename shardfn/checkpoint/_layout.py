@@ -37,12 +37,20 @@ import optree
 import torch
 
 from shardfn import pytree
-from shardfn.checkpoint._boxes import Box, Chunk, block_boxes, box_chunks, fused_boxes, piece_chunks
+from shardfn.checkpoint._boxes import (
+    Box,
+    Chunk,
+    block_boxes,
+    box_chunks,
+    fused_boxes,
+    piece_chunks,
+    row_split_boxes,
+)
 from shardfn.mesh import Mesh
 from shardfn.optim.base import GradientTransformation
 from shardfn.primitives.flat import FlatPartition
-from shardfn.spec import Layout, P
-from shardfn.transforms import FusedLayout, ShardedOptimizer, ShardedOptState
+from shardfn.spec import Layout, P, spec_axes
+from shardfn.transforms import FsdpTpLayout, FusedLayout, ShardedOptimizer, ShardedOptState
 from shardfn.transforms._opt_state_reshard import state_roles
 
 __all__ = ["Entry", "OptLayout", "PerRank", "Skip", "resolve"]
@@ -123,8 +131,8 @@ def _is_opt(source) -> bool:
 
 
 def _is_source(source) -> bool:
-    return source is None or isinstance(source, (Layout, P, FusedLayout, PerRank, Skip)) or \
-        _is_model(source) or _is_opt(source)
+    kinds = (Layout, P, FusedLayout, FsdpTpLayout, PerRank, Skip)
+    return source is None or isinstance(source, kinds) or _is_model(source) or _is_opt(source)
 
 
 def _child_source(source, label: str):
@@ -146,6 +154,8 @@ def _boxes_of(name: str, x: torch.Tensor, spec, mesh: Mesh | None) -> _Placed:
     if mesh is None:
         raise ValueError(f"checkpoint: leaf {name!r} has the layout {spec}: pass mesh= (or set "
                          "a current mesh)")
+    if isinstance(spec, FsdpTpLayout):  # a dp split (shard_params) of a tp shard
+        return _fsdp_tp_boxes(name, x, spec, mesh)
     if isinstance(spec, FusedLayout):
         n, i = mesh.size(spec.axis), mesh.index(spec.axis)
         want = (spec.shape[0] // n,) + tuple(spec.shape[1:])
@@ -179,6 +189,34 @@ def _boxes_of(name: str, x: torch.Tensor, spec, mesh: Mesh | None) -> _Placed:
                     "sf.Layout (sf.layout_of, or the model object / its .specs)")
         shape = tuple(x.shape)
     return _Placed(shape, tuple(block_boxes(shape, split)))
+
+
+def _fsdp_tp_boxes(name: str, x: torch.Tensor, spec: FsdpTpLayout, mesh: Mesh) -> _Placed:
+    """Boxes of this rank's dp block of its tp shard: the tp shard's boxes (one, or one per
+    fused part) cut to the dp block's rows; padding rows lie outside every box."""
+    shape = tuple(spec.shape)
+    if isinstance(spec.tp, FusedLayout):
+        tp_n, tp_i = mesh.size(spec.tp.axis), mesh.index(spec.tp.axis)
+        tp_boxes = fused_boxes(shape, spec.tp.parts, tp_n, tp_i)
+        tp_shape = (shape[0] // tp_n, *shape[1:])
+    else:
+        tp_parts = tuple(spec.tp.spec)
+        split = [None if p is None else (mesh.size(p), mesh.index(p)) for p in tp_parts]
+        tp_boxes = block_boxes(shape, split)
+        tp_shape = tuple(math.ceil(d / s[0]) if s else d
+                         for d, s in zip(shape, split + [None] * (len(shape) - len(split)),
+                                         strict=True))
+    dp_axes = spec_axes(spec.dp)
+    if not dp_axes or not tp_shape:
+        boxes, local = tp_boxes, tp_shape
+    else:
+        dp_n, dp_i = mesh.size(dp_axes), mesh.index(dp_axes)
+        boxes = row_split_boxes(tp_boxes, tp_shape[0], dp_n, dp_i)
+        local = (math.ceil(tp_shape[0] / dp_n), *tp_shape[1:])
+    if tuple(x.shape) != tuple(local):
+        raise ValueError(f"checkpoint: leaf {name!r} has local shape {tuple(x.shape)} but its "
+                         f"layout {spec} on this mesh gives {tuple(local)}")
+    return _Placed(shape, tuple(boxes))
 
 
 class _Params(NamedTuple):
@@ -288,7 +326,7 @@ def _leaf_entry(name: str, x, source, mesh: Mesh, rank: int) -> Entry:
         return Entry(name, None, isinstance(x, torch.Tensor), (), (), False)
     key = f"{name}@rank{rank}" if isinstance(source, PerRank) else name
     if not isinstance(x, torch.Tensor):
-        if isinstance(source, (Layout, P, FusedLayout)) and source != P():
+        if isinstance(source, (Layout, P, FusedLayout, FsdpTpLayout)) and source != P():
             raise TypeError(f"checkpoint: leaf {name!r} is a {type(x).__name__} but its layout "
                             f"{source} describes a tensor")
         return Entry(name, key, False, (), (), not isinstance(source, PerRank))
