@@ -97,6 +97,7 @@ class _Placed(NamedTuple):
 
     shape: tuple[int, ...]
     boxes: tuple[Box, ...]
+    replicated: bool = False  # no layout: the same on every rank (save checks it)
 
 
 def _children(node) -> list[tuple[str, Any]] | None:
@@ -150,7 +151,8 @@ def _child_source(source, label: str):
 def _boxes_of(name: str, x: torch.Tensor, spec, mesh: Mesh | None) -> _Placed:
     """The global shape and boxes of tensor leaf ``x`` under a Layout/P/FusedLayout/None."""
     if spec is None:
-        return _Placed(tuple(x.shape), (Box((0,) * x.dim(), (0,) * x.dim(), tuple(x.shape)),))
+        return _Placed(tuple(x.shape), (Box((0,) * x.dim(), (0,) * x.dim(), tuple(x.shape)),),
+                       True)
     if mesh is None:
         raise ValueError(f"checkpoint: leaf {name!r} has the layout {spec}: pass mesh= (or set "
                          "a current mesh)")
@@ -234,7 +236,8 @@ def resolve(state, layouts, mesh: Mesh, rank: int) -> list[Entry]:
             leaf, an optimizer whose parameters cannot be found, or two leaves that
             would get the same key.
     """
-    ctx = {"__models__": _model_paths(layouts, ""), "__mesh__": mesh, "__state__": state}
+    ctx = {"__models__": _model_paths(layouts, ""), "__mesh__": mesh, "__state__": state,
+           "__layouts__": layouts}
     out: list[Entry] = []
     _walk(state, layouts, "", mesh, rank, ctx, out)
     seen: dict[str, str] = {}
@@ -287,11 +290,40 @@ def _params_for(ctx: dict, explicit: str | None) -> _Params:
     if path not in ctx:
         source = dict(models).get(path)
         tree = _subtree(ctx["__state__"], path)
-        specs = dict(source.specs) if source is not None else None
+        if source is not None:
+            specs = dict(source.specs)
+        else:  # the layouts given for the parameters themselves (a tree of Layouts), if any
+            specs = _layouts_at(ctx["__layouts__"], path)
         placed = [_boxes_of(_join(path, n), x, None if specs is None else specs.get(n),
                             ctx["__mesh__"]) for n, x in named_leaves(tree)]
         ctx[path] = _Params(tree, placed)
     return ctx[path]
+
+
+def _layouts_at(layouts, path: str) -> dict | None:
+    """The leaf layouts ``layouts`` gives the subtree at ``path`` (dotted leaf name below
+    it -> source), or None when it gives none (the parameters are replicated)."""
+    node = layouts
+    for label in path.split(".") if path else []:
+        if node is None or _is_source(node):
+            break
+        node = _child_source(node, label)
+    if node is None:
+        return None
+    if _is_source(node):
+        return _AllLeaves(node)
+    return {name: leaf for name, leaf in named_leaves(node)}
+
+
+class _AllLeaves(dict):
+    """One layout source for every leaf of a subtree."""
+
+    def __init__(self, source) -> None:
+        super().__init__()
+        self.source = source
+
+    def get(self, key, default=None):
+        return self.source
 
 
 def _walk(node, source, name: str, mesh: Mesh, rank: int, ctx: dict, out: list) -> None:
@@ -386,7 +418,7 @@ def _opt_entries(node, source, name: str, mesh: Mesh, rank: int, ctx: dict, out:
                              f"{tuple(x.shape)}, its parameter {part.names[role]!r} has "
                              f"{part.shapes[role]}")
         out.append(Entry(leaf_name, leaf_name, True, p.shape, tuple(box_chunks(p.boxes)),
-                         False))
+                         p.replicated))
 
 
 def _roles(opt: GradientTransformation, params, part: FlatPartition, name: str, state
