@@ -1,80 +1,396 @@
-"""shardfn demo: a short sharded training run on local CPU processes or under torchrun.
+"""shardfn demo: train the reference GPT on Python's own source code, sharded over local ranks.
 
-Four ranks train a small MLP on a synthetic regression task, written as a pure
-step: per-rank gradients with torch.func, then an AdamW optimizer whose state is
-sharded over the data-parallel axis (ZeRO-1/2, `sf.shard_opt_state`). Every step
-prints the loss; at the end each rank reports its memory (parameters, optimizer
-state) and the bytes it sent, and the result is checked against the same
-training on one process with the whole batch. The last line prints the final
-loss and a checksum of the parameters: the same world size gives the same line
-under either launcher.
+A character-level GPT (``shardfn.models.GPT``) learns to write Python from the
+standard library's source files (read from this interpreter's install: no
+download). The same pure training step runs under the chosen plan on every
+rank. A progress bar shows the loss, tokens/s and step time. Halfway through,
+every rank saves a sharded checkpoint (``sf.checkpoint``); at the end the run
+resumes from it and checks that the resumed steps give the same parameters bit
+for bit. Then the script prints each rank's memory and communication beside the
+ZeRO / Megatron formulas, checks that the sharded run equals the same steps on
+one process with the whole batch, and prints a generated sample.
 
-Run: make demo   (or: python examples/demo.py [--ranks 4] [--steps 12])
-     torchrun --nproc-per-node 2 examples/demo.py [--steps 12]
+Plans (``--plan``), on N ranks (default 4):
+
+| plan | what | mesh |
+|---|---|---|
+| dp | data parallel (bucketed all-reduce of the gradients) | dp=N |
+| zero1 | ZeRO-1: optimizer state sharded (``sf.shard_opt_state``) | dp=N |
+| zero2 | ZeRO-2: + gradients reduce-scattered during an autograd backward | dp=N |
+| fsdp | ZeRO-3: parameters sharded per block (``sf.shard_params``) | dp=N |
+| hsdp | ZeRO-3 within each half of the ranks, replicated across the halves | replica=2, shard=N/2 |
+| tp | Megatron tensor parallel (``sf.tensor_split``), vocab-parallel loss | tp=N |
+| tp+sp | tensor parallel with sequence parallel (Megatron-SP) | tp=N |
+| fsdp+tp | ZeRO-3 over dp of each rank's tensor-parallel shards | dp=N/2, tp=2 |
+| pp | pipeline (``sf.pipeline_stages``, 1F1B, 4 micro-batches) | pp=N |
+| pp+fsdp | pipeline of ZeRO-3 stages | pp=2, dp=N/2 |
+
+Run: make demo   (or: python examples/demo.py [--plan fsdp] [--ranks 4] [--steps 60])
+     torchrun --nproc-per-node 2 examples/demo.py [--plan fsdp]
 Under torchrun the script joins the launched world (sf.distributed.initialize(): gloo
 on CPU, NCCL with one GPU per local rank) and only rank 0 prints; see docs/launching.md.
+The checkpoint directory (``--ckpt``) must be one all ranks see (a shared file system
+across nodes). The last line prints the final loss and a checksum of the parameters: the
+same plan and world size give the same line under either launcher.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import os
+import sys
+import sysconfig
+import tempfile
+import time
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import shardfn as sf
+from shardfn.models import GPT, Block, GPTConfig, gpt_tp_plan, gpt_units
+
+# ----------------------------------------------------------------------------- data
+
+#: the characters the model knows: newline and printable ASCII (tabs become spaces,
+#: anything else '?'); 96 symbols, divisible by every tp size up to 4 (and 8, 16, 32)
+VOCAB = "\n" + "".join(chr(c) for c in range(32, 127))
+_INDEX = {c: i for i, c in enumerate(VOCAB)}
 
 
-def make_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
-                         nn.Linear(256, 1))
+def load_text(max_chars: int = 400_000) -> torch.Tensor:
+    """The first ``max_chars`` characters of the standard library's sources, as token ids
+    (files in sorted order: every rank, and every run on this interpreter, sees the same)."""
+    root = sysconfig.get_paths()["stdlib"]
+    chunks, size = [], 0
+    for path in sorted(glob.glob(os.path.join(root, "*.py"))):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            chunks.append(f.read().replace("\t", "    "))
+        size += len(chunks[-1])
+        if size >= max_chars:
+            break
+    q = _INDEX["?"]
+    return torch.tensor([_INDEX.get(c, q) for c in "".join(chunks)[:max_chars]])
 
 
-def make_batch(step: int, size: int = 64):
-    gen = torch.Generator().manual_seed(1000 + step)
-    x = torch.randn(size, 32, generator=gen)
-    y = x[:, :4].sum(dim=1, keepdim=True).sin()
-    return x, y
+def decode(ids) -> str:
+    return "".join(VOCAB[int(i)] for i in ids)
 
 
-def train_on_rank(steps: int, sharded: bool, device: str = "cpu"):
-    """One rank's training loop (also the single-process reference when unsharded)."""
-    import torch.distributed as dist
+def global_batch(data: torch.Tensor, step: int, batch: int, seq: int):
+    """Batch ``step``: ``batch`` random windows, the same on every rank (drawn from the step)."""
+    gen = torch.Generator().manual_seed(10_000 + step)
+    starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen).tolist()
+    return (torch.stack([data[s:s + seq] for s in starts]),
+            torch.stack([data[s + 1:s + seq + 1] for s in starts]))
 
-    n = dist.get_world_size() if sharded and dist.is_initialized() else 1
-    rank = dist.get_rank() if sharded and dist.is_initialized() else 0
-    # the unsharded reference may run inside a launched world: a mesh of this process alone
-    mesh = sf.Mesh({"dp": n}) if sharded else sf.Mesh({"dp": 1}, ranks=[_global_rank()])
-    model = sf.functional(make_model())
-    params = {name: value.to(device) for name, value in model.init(seed=0).items()}
-    opt = sf.optim.adamw(1e-2, weight_decay=0.01)
-    if sharded:
-        opt = sf.shard_opt_state(opt, mesh, axis="dp")
-    state = opt.init(params)
 
-    def loss_fn(params, x, y):
-        return ((model.apply(params, x) - y) ** 2).mean()
+def config(seq: int, tied: bool = True) -> GPTConfig:
+    return GPTConfig(vocab_size=len(VOCAB), d_model=64, n_layers=2, n_heads=4, seq_len=seq,
+                     dropout=0.0, tied_embeddings=tied, bias=False)
 
-    losses = []
-    sf.reset_comm_stats()
-    for step in range(steps):
-        x, y = make_batch(step % 4)  # a small fixed data set, visited in turn
-        x, y = x.chunk(n)[rank].to(device), y.chunk(n)[rank].to(device)  # this rank's share
-        grads, loss = torch.func.grad_and_value(loss_fn)(params, x, y)
+
+def reference_module(plan: str, seq: int) -> nn.Module:
+    """The unsharded model of a plan: the GPT, or its pipeline units in a Sequential."""
+    if plan.startswith("pp"):
+        return nn.Sequential(*gpt_units(config(seq, tied=False)))
+    return GPT(config(seq))
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+class Plan(NamedTuple):
+    """A plan built on one rank.
+
+    Attributes:
+        mesh: its mesh.
+        share: ``(index, count)``: this rank's share of the global batch.
+        init: ``seed -> (params, opt_state)``, this rank's parts.
+        step: ``(params, state, x, y) -> (params, state, loss)`` on this rank's share.
+        full: ``params -> the full parameter tree`` (on every rank).
+        layouts: what ``sf.checkpoint`` needs to know of how the state is laid out.
+        data_axes: the axes the batch is split over (the loss is their mean), or None.
+    """
+
+    mesh: sf.Mesh
+    share: tuple[int, int]
+    init: Any
+    step: Any
+    full: Any
+    layouts: Any
+    data_axes: Any = None
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten())
+
+
+def _pure(opt, grads_of, init_params) -> tuple[Any, Any]:
+    """``init`` and ``step`` of a torch.func step: ``grads_of(params, x, y) -> (grads, loss)``."""
+    def init(seed):
+        params = init_params(seed)
+        return params, opt.init(params)
+
+    def step(params, state, x, y):
+        grads, loss = grads_of(params, x, y)
         updates, state = opt.update(grads, state, params)
-        params = sf.optim.apply_updates(params, updates)
-        losses.append(float(sf.pmean(loss, "dp", mesh=mesh)))
-    param_bytes = sum(p.numel() * p.element_size() for p in params.values())
-    state_bytes = sum(t.numel() * t.element_size() for t in sf.pytree.tree_leaves(state)
-                      if isinstance(t, torch.Tensor) and t.dim() > 0)
-    params = {name: value.cpu() for name, value in params.items()}
-    return losses, params, param_bytes, state_bytes, sf.comm_stats().total_bytes
+        return sf.optim.apply_updates(params, updates), state, loss
+
+    return init, step
 
 
-def _global_rank() -> int:
+def build(plan: str, n: int, seq: int, ranks: list[int] | None = None,
+          arch: str | None = None, steps: int = 100) -> Plan:
+    """The named plan on ``n`` ranks (``ranks``: the global ranks; default all); ``"single"``
+    is the one-process reference of plan ``arch``'s model."""
+    lr = sf.optim.warmup_cosine_decay(1e-2, warmup_steps=steps // 10, decay_steps=steps,
+                                      end_value=1e-3)
+    opt = sf.optim.adamw(lr, weight_decay=0.01)
+    fmodel = sf.functional(reference_module(arch or plan, seq))
+    grad = torch.func.grad_and_value
+
+    if plan in ("single", "dp", "zero1"):
+        mesh = sf.Mesh({"dp": n}, ranks=ranks)
+        reduce = sf.data_parallel(mesh, "dp").reduce_grads   # bucketed all-reduce mean
+        if plan == "zero1":   # the wrapper reduce-scatters, updates its part, all-gathers
+            opt = sf.shard_opt_state(opt, mesh, "dp")
+            reduce = None
+
+        def grads_of(params, x, y):
+            grads, loss = grad(lambda p: _loss(fmodel.apply(p, x), y))(params)
+            return (grads if reduce is None else reduce(grads)), loss
+
+        init, step = _pure(opt, grads_of, fmodel.init)
+        return Plan(mesh, (mesh.index("dp"), n), init, step, lambda p: p, {"opt": opt}, "dp")
+    if plan == "zero2":
+        mesh = sf.Mesh({"dp": n}, ranks=ranks)
+        sharded = sf.shard_opt_state(opt, mesh, "dp", shard_grads=True)
+
+        def step(params, state, x, y):  # autograd: each .grad freed once reduce-scattered
+            leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+            with sharded.overlap(leaves) as sync:
+                loss = _loss(fmodel.apply(leaves, x), y)
+                loss.backward()
+            updates, state = sharded.update(sync.grads(), state, params)
+            return sf.optim.apply_updates(params, updates), state, loss.detach()
+
+        init, _ = _pure(sharded, None, fmodel.init)
+        return Plan(mesh, (mesh.index("dp"), n), init, step, lambda p: p, {"opt": sharded},
+                    "dp")
+    if plan in ("fsdp", "hsdp"):
+        if plan == "hsdp":
+            if n % 2 or n < 4:
+                raise SystemExit("--plan hsdp needs an even number of ranks >= 4")
+            mesh = sf.Mesh({"replica": 2, "shard": n // 2}, ranks=ranks)
+            model = sf.shard_params(fmodel, mesh, "shard", units=Block, replicate_axis="replica")
+            share, axes = (mesh.index(("replica", "shard")), n), ("replica", "shard")
+        else:
+            mesh = sf.Mesh({"dp": n}, ranks=ranks)
+            model = sf.shard_params(fmodel, mesh, "dp", units=Block)
+            share, axes = (mesh.index("dp"), n), "dp"
+        # the gradients come back as this rank's shards, already averaged over the ranks
+        init, step = _pure(opt, lambda p, x, y: grad(lambda q: _loss(model.apply(q, x), y))(p),
+                           model.init)
+        return Plan(mesh, share, init, step, lambda p: sf.gather(p, model.specs, mesh),
+                    {"params": model, "opt": opt}, axes)
+    if plan in ("tp", "tp+sp", "fsdp+tp"):
+        if plan == "fsdp+tp":
+            if n % 2:
+                raise SystemExit("--plan fsdp+tp needs an even number of ranks (tp=2)")
+            mesh = sf.Mesh({"dp": n // 2, "tp": 2}, ranks=ranks)
+            share = (mesh.index("dp"), n // 2)
+        else:
+            mesh = sf.Mesh({"tp": n}, ranks=ranks)
+            share = (0, 1)  # every tp rank sees the whole batch
+        model = sf.tensor_split(fmodel, mesh, "tp", gpt_tp_plan(plan == "tp+sp"))
+        if plan == "fsdp+tp":
+            model = sf.shard_params(model, mesh, "dp", units=Block)
+
+        def tp_loss(params, x, y):  # the logits stay split over the vocabulary
+            return sf.vocab_parallel_cross_entropy(model.apply(params, x).flatten(0, -2),
+                                                   y.flatten(), "tp", mesh=mesh)
+
+        init, step = _pure(opt, lambda p, x, y: grad(tp_loss)(p, x, y), model.init)
+        return Plan(mesh, share, init, step, model.gather_params,
+                    {"params": model, "opt": opt}, "dp" if plan == "fsdp+tp" else None)
+    if plan in ("pp", "pp+fsdp"):
+        units = list(reference_module(plan, seq))
+        if plan == "pp+fsdp":
+            if n % 2:
+                raise SystemExit("--plan pp+fsdp needs an even number of ranks (pp=2)")
+            mesh = sf.Mesh({"pp": 2, "dp": n // 2}, ranks=ranks)
+            extra = {"dp_axis": "dp",
+                     "stage_transform": lambda f, m: sf.shard_params(f, m, "dp")}
+            share = (mesh.index("dp"), n // 2)
+        else:
+            if n > len(units):
+                raise SystemExit(f"--plan pp: at most {len(units)} ranks (one unit each)")
+            mesh = sf.Mesh({"pp": n}, ranks=ranks)
+            extra, share = {}, (0, 1)
+        pp = sf.pipeline_stages(units, mesh, "pp", balance="params", schedule="1f1b",
+                                microbatches=4, loss_fn=_loss, **extra)
+
+        def grads_of(params, x, y):
+            loss, grads = pp.value_and_grad(params, x, y)
+            return grads, loss
+
+        init, step = _pure(opt, grads_of, pp.init)
+        layouts = {"opt": opt}
+        if pp.stage_models:  # ZeRO-3 stages: each stage model knows its leaves' layouts
+            layouts["params"] = {n: s for m in pp.stage_models.values()
+                                 for n, s in m.specs.items()}
+        return Plan(mesh, share, init, step, pp.gather, layouts)
+    raise SystemExit(f"unknown --plan {plan!r}; choose from {', '.join(PLANS)}")
+
+
+PLANS = ("dp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp+sp", "fsdp+tp", "pp", "pp+fsdp")
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _nbytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in sf.pytree.tree_leaves(tree)
+               if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def _my_share(plan: Plan, x, y):
+    index, count = plan.share
+    return x.chunk(count)[index], y.chunk(count)[index]
+
+
+def train(plan_name: str, steps: int, batch: int, seq: int, ckpt: str | None,
+          sharded: bool = True, show: bool = False) -> dict:
+    """One rank's run (``sharded=False``: the one-process reference, whole batch).
+
+    Saves a checkpoint after ``steps // 2`` steps (when ``ckpt``), trains on, then
+    loads it and trains the second half again: the two ends must be bit-identical.
+    """
     import torch.distributed as dist
 
-    return dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(0)
+    launched = dist.is_initialized()
+    show = show and (not launched or dist.get_rank() == 0)  # rank 0 draws the bar
+    n = dist.get_world_size() if sharded and launched else 1
+    ranks = None if sharded or not launched else [dist.get_rank()]
+    plan = build(plan_name if sharded else "single", n, seq, ranks, arch=plan_name, steps=steps)
+    data = load_text()
+    params, state = plan.init(0)
+    half = steps // 2
+    bar = _progress(steps, plan_name, n) if show else None
+    losses, times, saved = [], [], None
+
+    def run(params, state, first: int, last: int, record: bool):
+        for step in range(first, last):
+            x, y = _my_share(plan, *global_batch(data, step, batch, seq))
+            start = time.perf_counter()
+            params, state, loss = plan.step(params, state, x, y)
+            if plan.data_axes is not None:  # this rank's loss -> the whole batch's
+                loss = sf.pmean(loss.detach(), plan.data_axes, mesh=plan.mesh)
+            if record:
+                times.append(time.perf_counter() - start)
+                losses.append(float(loss.detach()))
+                if bar is not None:
+                    bar.set_postfix(loss=f"{losses[-1]:.3f}",
+                                    tok_s=f"{batch * seq / times[-1]:,.0f}",
+                                    step_ms=f"{1e3 * times[-1]:.0f}")
+                    bar.update()
+        return params, state
+
+    sf.reset_comm_stats()
+    params, state = run(params, state, 0, half, True)
+    if ckpt is not None and sharded:
+        saved = sf.checkpoint.save(ckpt, {"params": params, "opt": state, "step": half},
+                                   plan.mesh, plan.layouts, overwrite=True)
+    comm = sf.comm_stats().total_bytes / max(half, 1)
+    with sf.memory.track() as tracker:  # one step's peak above what is already held
+        params, state = run(params, state, half, half + 1, True)
+    params, state = run(params, state, half + 1, steps, True)
+    if bar is not None:
+        bar.close()
+    result = {"losses": losses, "full": _detach(plan.full(params)),
+              "param_bytes": _nbytes(params), "state_bytes": _nbytes(state),
+              "peak": tracker.peak_bytes, "comm_per_step": comm,
+              "step_s": sorted(times)[len(times) // 2], "resumed": None}
+    if saved is not None:  # resume: a fresh state, the checkpoint loaded into it
+        like_params, like_state = plan.init(1)
+        loaded = sf.checkpoint.load(saved, {"params": like_params, "opt": like_state,
+                                            "step": 0}, plan.mesh, plan.layouts)
+        again, _ = run(loaded["params"], loaded["opt"], loaded["step"], steps, False)
+        result["resumed"] = all(torch.equal(a, params[k]) for k, a in again.items())
+    return result
+
+
+def _detach(tree: dict) -> dict:
+    return {k: v.detach().clone() for k, v in tree.items()}
+
+
+def _progress(steps: int, plan: str, n: int):
+    from tqdm import tqdm
+
+    return tqdm(total=steps, desc=f"{plan} on {n} ranks", unit="step", file=sys.stdout,
+                mininterval=0.25, ncols=100)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def formula(plan: str, n: int, full: dict[str, torch.Tensor]) -> tuple[float, float] | None:
+    """(params + grads + AdamW state bytes per rank, bytes sent per rank per step) in theory,
+    fp32: ZeRO (Rajbhandari et al. 2020) for the dp family, Megatron for tp (split leaves
+    1/tp, the rest whole; 2 all-reduces of the activations per block forward and backward
+    are not in the byte formula here, they depend on the batch)."""
+    psi = sum(t.numel() for t in full.values())
+    b = 4 * psi
+    ring = 2 * b * (n - 1) / n
+    table = {"dp": (4 * b, ring), "zero1": (2 * b + 2 * b / n, ring),
+             "zero2": (b + 3 * b / n, ring), "fsdp": (4 * b / n, 1.5 * ring)}
+    if plan == "hsdp":
+        return 4 * b / (n // 2), None
+    return table.get(plan)
+
+
+def report(plan: str, results: list[dict], reference: dict) -> None:
+    mib = 2 ** 20
+    n = len(results)
+    print(f"\nper-rank memory and communication ({plan}, {n} ranks, "
+          f"{sum(t.numel() for t in reference['full'].values()):,} fp32 parameters):")
+    print(f"  {'rank':>9} {'params':>8} {'grads':>8} {'AdamW':>8} {'step peak':>10} "
+          f"{'sent/step':>10}   (MiB)")
+    for rank, r in enumerate(results):
+        print(f"  {rank:>9} {r['param_bytes'] / mib:>8.3f} {r['param_bytes'] / mib:>8.3f} "
+              f"{r['state_bytes'] / mib:>8.3f} {r['peak'] / mib:>10.3f} "
+              f"{r['comm_per_step'] / mib:>10.3f}")
+    r = reference
+    print(f"  {'1 process':>9} {r['param_bytes'] / mib:>8.3f} {r['param_bytes'] / mib:>8.3f} "
+          f"{r['state_bytes'] / mib:>8.3f} {r['peak'] / mib:>10.3f} {0:>10.3f}")
+    theory = formula(plan, n, reference["full"])
+    if theory is not None:
+        mem, sent = theory
+        sent_text = "" if sent is None else f", sent {sent / mib:.3f} MiB per step"
+        print(f"  ZeRO formula: params+grads+AdamW {mem / mib:.3f} MiB per rank{sent_text} "
+              "(the loss's pmean and padding are extra)")
+    elif plan in ("tp", "tp+sp", "fsdp+tp"):
+        print("  Megatron: each rank holds 1/tp of the split leaves (qkv, proj, fc1, fc2, the "
+              "vocabulary) and all of the LayerNorms, biases of rowwise layers and positions")
+    else:
+        print("  pipeline: each rank holds its stages' parameters; activations travel point "
+              "to point")
+
+
+def sample(full: dict, plan: str, seq: int, prompt: str = "def ", chars: int = 160) -> str:
+    """Temperature-0.8 generation (fixed seed) from the full parameters."""
+    model = sf.functional(reference_module(plan, seq))
+    gen = torch.Generator().manual_seed(0)
+    ids = [_INDEX[c] for c in prompt]
+    with torch.no_grad():
+        for _ in range(chars):
+            logits = model.apply(full, torch.tensor([ids[-seq:]]))[0, -1] / 0.8
+            ids.append(int(torch.multinomial(logits.softmax(-1), 1, generator=gen)))
+    return decode(ids)
 
 
 def checksum(params: dict[str, torch.Tensor]) -> float:
@@ -82,57 +398,67 @@ def checksum(params: dict[str, torch.Tensor]) -> float:
     return float(sum(value.double().abs().sum() for value in params.values()))
 
 
-def run_launched(steps: int, ranks: int | None) -> list | None:
-    """Under torchrun: join the world, train this rank; rank 0 gets every rank's results."""
-    import torch.distributed as dist
-
-    info = sf.distributed.initialize()
-    if ranks is not None and ranks != info.world_size:
-        raise SystemExit(f"--ranks {ranks} but torchrun started {info.world_size} processes; "
-                         "under torchrun the world size is --nproc-per-node x --nnodes")
-    if info.rank == 0:
-        print(f"joined a torchrun world of {info.world_size} processes ({info.backend}, "
-              f"{info.device}) ...", flush=True)
-    mine = train_on_rank(steps, True, str(info.device))
-    results = [None] * info.world_size if info.rank == 0 else None
-    dist.gather_object(mine, results, dst=0)
-    return results
-
-
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan", default="fsdp", choices=PLANS)
     parser.add_argument("--ranks", type=int, default=None,
                         help="local CPU processes (default 4); under torchrun: its world size")
-    parser.add_argument("--steps", type=int, default=12)
-    args = parser.parse_args()
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    parser.add_argument("--seq", type=int, default=64, help="sequence length (characters)")
+    parser.add_argument("--ckpt", default=None,
+                        help="checkpoint directory (default: a new temporary one)")
+    return parser.parse_args(argv)
 
-    launched = sf.distributed.launch_environment() is not None
-    if launched:
-        results = run_launched(args.steps, args.ranks)
-        if results is None:  # ranks other than 0 only train
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    ckpt = args.ckpt or os.path.join(tempfile.gettempdir(), f"shardfn-demo-{args.plan}")
+    job = (args.plan, args.steps, args.batch, args.seq, ckpt)
+
+    if sf.distributed.launch_environment() is not None:
+        import torch.distributed as dist
+
+        info = sf.distributed.initialize()
+        if args.ranks is not None and args.ranks != info.world_size:
+            raise SystemExit(f"--ranks {args.ranks} but torchrun started {info.world_size} "
+                             "processes; under torchrun the world size is --nproc-per-node x "
+                             "--nnodes")
+        if info.rank == 0:
+            print(f"joined a torchrun world of {info.world_size} processes ({info.backend}, "
+                  f"{info.device})", flush=True)
+        mine = train(*job, sharded=True, show=True)
+        results = [None] * info.world_size if info.rank == 0 else None
+        dist.gather_object(mine, results, dst=0)
+        if info.rank != 0:
             return
     else:
         ranks = 4 if args.ranks is None else args.ranks
         print(f"starting a local world of {ranks} CPU processes (gloo) ...", flush=True)
-        with sf.testing.local_world(ranks) as world:
-            results = world.run(train_on_rank, args.steps, True)
-    reference = train_on_rank(args.steps, sharded=False)
-
-    losses = results[0][0]
-    for step, loss in enumerate(losses):
-        single = reference[0][step]
-        print(f"step {step:2d}  loss {loss:.5f}  (one process, full batch: {single:.5f})")
-    print("\nper-rank memory (fp32):")
-    for rank, (_, _, param_bytes, state_bytes, sent) in enumerate(results):
-        print(f"  rank {rank}: params {param_bytes / 2**20:6.2f} MiB   AdamW state "
-              f"{state_bytes / 2**20:6.2f} MiB   sent {sent / 2**20:6.2f} MiB")
-    print(f"  one process, unsharded AdamW state: {reference[3] / 2**20:6.2f} MiB")
-    final = results[0][1]
-    for name, value in reference[1].items():
-        torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5)
-    print("\nsharded training matches single-process training: OK")
-    print(f"final: world {len(results)}  loss {losses[-1]:.8f}  "
-          f"param checksum {checksum(final):.10f}")
+        with sf.testing.local_world(ranks, timeout=600) as world:
+            results = world.run(train, *job, True, True)
+    print("training the same steps on one process with the whole batch ...", flush=True)
+    reference = train(*job[:-1], None, sharded=False)
+    report(args.plan, results, reference)
+    print(f"\ncheckpoint: saved after step {args.steps // 2} to {ckpt}; resumed from it, the "
+          "second half gives the same parameters bit for bit: "
+          f"{'OK' if all(r['resumed'] for r in results) else 'FAILED'}")
+    if not all(r["resumed"] for r in results):
+        raise SystemExit("the resumed run differs from the uninterrupted one")
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-4, atol=1e-5)
+        for name, value in reference["full"].items():
+            torch.testing.assert_close(result["full"][name], value, rtol=1e-3, atol=1e-4,
+                                       msg=lambda m, name=name, rank=rank:
+                                       f"rank {rank}, {name}: {m}")
+    final = results[0]["full"]
+    print(f"sharded training ({args.plan}) matches one-process training: OK (loss "
+          f"{results[0]['losses'][0]:.3f} -> {results[0]['losses'][-1]:.3f}; median step "
+          f"{1e3 * results[0]['step_s']:.0f} ms on {len(results)} ranks, "
+          f"{1e3 * reference['step_s']:.0f} ms on one process)")
+    print("\nsample:\n" + sample(final, args.plan, args.seq))
+    print(f"\nfinal: plan {args.plan}  world {len(results)}  loss "
+          f"{results[0]['losses'][-1]:.8f}  param checksum {checksum(final):.10f}")
 
 
 if __name__ == "__main__":

@@ -159,29 +159,35 @@ def test_torchrun_with_initialize_trains_like_the_local_world(tmp_path, worlds):
     assert not torch.equal(params["0.weight"], train(steps=0, sharded=False)[1]["0.weight"])
 
 
-def _demo_final_line(steps: int) -> str:
-    """examples/demo.py's train_on_rank on this rank, summed up as the demo's final line."""
+def _demo_final_line(steps: int, ckpt: str) -> str:
+    """examples/demo.py's train on this rank (plan fsdp), summed up as the demo's final line."""
+    demo = _load_demo()
+    result = demo.train("fsdp", steps, 16, 64, ckpt, True)
+    return f"loss {result['losses'][-1]:.8f}  param checksum {demo.checksum(result['full']):.10f}"
+
+
+def _load_demo():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("shardfn_demo", DEMO)
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
-    losses, params, *_ = demo.train_on_rank(steps, True)
-    return f"loss {losses[-1]:.8f}  param checksum {demo.checksum(params):.10f}"
+    return demo
 
 
 DEMO = REPO / "examples" / "demo.py"
 
 
 def test_demo_runs_unchanged_under_torchrun(tmp_path, worlds):
-    result = _torchrun(DEMO, extra_args=["--steps", "2"])
+    result = _torchrun(DEMO, extra_args=["--steps", "4", "--ckpt", str(tmp_path / "ckpt")])
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "joined a torchrun world of 2 processes (gloo, cpu)" in output
-    assert output.count("sharded training matches single-process training: OK") == 1, output
+    assert output.count("sharded training (fsdp) matches one-process training: OK") == 1, output
+    assert "the second half gives the same parameters bit for bit: OK" in output, output
     final = [line for line in result.stdout.splitlines() if line.startswith("final: ")]
-    expected = worlds(2).run(_demo_final_line, 2)
-    assert final == [f"final: world 2  {expected[0]}"], output
+    expected = worlds(2).run(_demo_final_line, 4, str(tmp_path / "local"))
+    assert final == [f"final: plan fsdp  world 2  {expected[0]}"], output
 
 
 # ---- initialize() without torchrun ------------------------------------------------------

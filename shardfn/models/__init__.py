@@ -6,6 +6,18 @@ Example:
     >>> model = models.GPT(config)
 """
 
-from shardfn.models.gpt import GPT, MLP, Attention, AttentionCore, Block, GPTConfig, gpt_tp_plan
+from shardfn.models.gpt import (
+    GPT,
+    MLP,
+    Attention,
+    AttentionCore,
+    Block,
+    Embed,
+    GPTConfig,
+    LMHead,
+    gpt_tp_plan,
+    gpt_units,
+)
 
-__all__ = ["GPT", "MLP", "Attention", "AttentionCore", "Block", "GPTConfig", "gpt_tp_plan"]
+__all__ = ["GPT", "MLP", "Attention", "AttentionCore", "Block", "Embed", "GPTConfig", "LMHead",
+           "gpt_tp_plan", "gpt_units"]

@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "MLP", "Attention", "AttentionCore", "Block", "GPTConfig", "gpt_tp_plan"]
+__all__ = ["GPT", "MLP", "Attention", "AttentionCore", "Block", "Embed", "GPTConfig", "LMHead",
+           "gpt_tp_plan", "gpt_units"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,11 @@ class GPTConfig:
             (attention weights, after each projection back to the residual, and
             after the embeddings).
         tied_embeddings: the LM head reuses the token embedding's weight.
+        bias: the Linear layers (qkv, proj, fc1, fc2) have biases, as in GPT-2; False
+            drops them (as LLaMA does). Without them no parameter has a zero gradient in
+            exact arithmetic: the key bias's is (softmax is invariant to a shift along
+            the keys), so Adam turns its round-off into steps of about the learning rate,
+            and two runs that sum in different orders drift apart there.
 
     Raises:
         TypeError / ValueError: naming the field and what would be valid.
@@ -59,6 +65,7 @@ class GPTConfig:
     seq_len: int
     dropout: float = 0.0
     tied_embeddings: bool = True
+    bias: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len"):
@@ -74,9 +81,9 @@ class GPTConfig:
             raise TypeError(f"GPTConfig.dropout must be a float, got {self.dropout!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
-        if not isinstance(self.tied_embeddings, bool):
-            raise TypeError(f"GPTConfig.tied_embeddings must be a bool, "
-                            f"got {self.tied_embeddings!r}")
+        for name in ("tied_embeddings", "bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def head_dim(self) -> int:
@@ -116,9 +123,9 @@ class Attention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
         self.core = AttentionCore(config.dropout)
-        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,9 +148,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(config.d_model, 4 * config.d_model)
+        self.fc1 = nn.Linear(config.d_model, 4 * config.d_model, bias=config.bias)
         self.act = nn.GELU()
-        self.fc2 = nn.Linear(4 * config.d_model, config.d_model)
+        self.fc2 = nn.Linear(4 * config.d_model, config.d_model, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -207,7 +214,72 @@ class GPT(nn.Module):
         x = self.drop(self.tok(tokens) + self.pos(positions))
         for block in self.blocks:
             x = block(x)
+        x = self.ln_f(x)
+        if self.config.tied_embeddings:
+            # the tied head reads N(0, 1) embedding rows: scale its input by d ** -0.5 (as
+            # T5 / PaLM do) so the first logits are O(1) and the first loss ~ log(vocab)
+            x = x * self.config.d_model ** -0.5
+        return self.head(x)
+
+
+class Embed(nn.Module):
+    """The first pipeline unit of a GPT: token + position embedding, dropout."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.seq_len = config.seq_len
+        self.tok = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos = nn.Embedding(config.seq_len, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[-1] > self.seq_len:
+            raise ValueError(f"Embed: sequence length {tokens.shape[-1]} exceeds seq_len="
+                             f"{self.seq_len}")
+        positions = torch.arange(tokens.shape[-1], device=tokens.device)
+        return self.drop(self.tok(tokens) + self.pos(positions))
+
+
+class LMHead(nn.Module):
+    """The last pipeline unit of a GPT: final LayerNorm and the (untied) LM head."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln_f(x))
+
+
+def gpt_units(config: GPTConfig) -> list[nn.Module]:
+    """The GPT as a list of pipeline units: ``[Embed, Block x n_layers, LMHead]``.
+
+    ``nn.Sequential(*gpt_units(config))`` computes what ``GPT(config)`` does for an
+    untied model (``tied_embeddings=False``): a pipeline puts the embedding and the
+    head on different stages, so their weights cannot be one tensor.
+
+    Args:
+        config: a :class:`GPTConfig` with ``tied_embeddings=False``.
+
+    Returns:
+        ``n_layers + 2`` modules, for ``sf.pipeline_stages``.
+
+    Raises:
+        ValueError: for tied embeddings.
+
+    Example:
+        >>> cfg = GPTConfig(32, 16, 2, 2, 8, tied_embeddings=False)
+        >>> [type(u).__name__ for u in gpt_units(cfg)]
+        ['Embed', 'Block', 'Block', 'LMHead']
+    """
+    if not isinstance(config, GPTConfig):
+        raise TypeError(f"gpt_units expects a GPTConfig, got {type(config).__name__}")
+    if config.tied_embeddings:
+        raise ValueError("gpt_units: tied_embeddings=True ties the head to the embedding, "
+                         "but pipeline stages cannot share a weight; use "
+                         "GPTConfig(..., tied_embeddings=False)")
+    return [Embed(config), *(Block(config) for _ in range(config.n_layers)), LMHead(config)]
 
 
 def gpt_tp_plan(sequence_parallel: bool = False) -> dict[str, str]:

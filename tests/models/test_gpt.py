@@ -5,6 +5,7 @@ tensor-parallel slices of their weights without any attribute patching."""
 from __future__ import annotations
 
 import fnmatch
+import math
 
 import pytest
 import torch
@@ -216,3 +217,45 @@ def test_tp_plan_matches_the_model():
     assert gpt_tp_plan()["tok"] == "vocab"  # a fresh dict each call
     with pytest.raises(TypeError, match="sequence_parallel must be a bool"):
         gpt_tp_plan(sequence_parallel="yes")
+
+
+def test_gpt_units_compute_the_untied_gpt():
+    """nn.Sequential(*gpt_units(cfg)) is GPT(cfg) with its leaves renamed (untied only)."""
+    from shardfn.models import gpt_units
+
+    config = GPTConfig(vocab_size=11, d_model=8, n_layers=2, n_heads=2, seq_len=6,
+                       tied_embeddings=False)
+    gpt = sf.functional(GPT(config))
+    units = sf.functional(torch.nn.Sequential(*gpt_units(config)))
+    params = gpt.init(0)
+    last = config.n_layers + 1
+
+    def unit_name(name: str) -> str:
+        head, _, rest = name.partition(".")
+        if head in ("tok", "pos"):
+            return f"0.{name}"
+        if head == "blocks":
+            index, _, rest = rest.partition(".")
+            return f"{int(index) + 1}.{rest}"
+        return f"{last}.{name}"
+
+    renamed = {unit_name(k): v for k, v in params.items()}
+    assert set(renamed) == set(units.names)
+    tokens = torch.randint(0, 11, (3, 6), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(units.apply(renamed, tokens), gpt.apply(params, tokens))
+    with pytest.raises(ValueError, match="tied_embeddings"):
+        gpt_units(GPTConfig(vocab_size=11, d_model=8, n_layers=1, n_heads=2, seq_len=6))
+
+
+def test_bias_false_drops_every_linear_bias_and_tied_logits_start_near_uniform():
+    config = GPTConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, seq_len=16, bias=False)
+    model = sf.functional(GPT(config))
+    assert not [n for n in model.names if n.endswith("bias") and ".ln" not in n
+                and not n.startswith("ln_f")]
+    tokens = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(0))
+    logits = model.apply(model.init(0), tokens)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                             tokens[:, 1:].flatten())
+    assert abs(float(loss) - math.log(96)) < 1.0  # tied head scaled by d ** -0.5
+    with pytest.raises(TypeError, match="bias"):
+        GPTConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=2, seq_len=4, bias=1)
