@@ -256,6 +256,8 @@ def test_bias_false_drops_every_linear_bias_and_tied_logits_start_near_uniform()
     logits = model.apply(model.init(0), tokens)
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
                                              tokens[:, 1:].flatten())
-    assert abs(float(loss) - math.log(96)) < 1.0  # tied head scaled by d ** -0.5
+    # the tied head's input is scaled by d ** -0.5: O(1) logits (unscaled, N(0, 1) embedding
+    # rows against unit-variance features give logits of std ~8 and a first loss ~30)
+    assert math.log(96) - 0.5 < float(loss) < 2 * math.log(96)
     with pytest.raises(TypeError, match="bias"):
         GPTConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=2, seq_len=4, bias=1)
