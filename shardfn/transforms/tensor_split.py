@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import fnmatch
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,6 +58,12 @@ from shardfn.functional import FunctionalModel
 from shardfn.mesh import Mesh, get_mesh
 from shardfn.primitives import all_gather
 from shardfn.spec import Layout, P, gather, local_shape
+from shardfn.transforms._tp_plan import (
+    check_sequence_parallel,
+    check_tied,
+    detect_fused,
+    match_plan,
+)
 from shardfn.transforms._tp_rng import call_streams
 from shardfn.transforms._tp_styles import (
     Colwise,
@@ -68,7 +73,6 @@ from shardfn.transforms._tp_styles import (
     SplitRNG,
     Style,
     Vocab,
-    as_style,
     fused_full,
     fused_local,
     leaf_specs,
@@ -231,7 +235,8 @@ class TensorSplitModel:
                                  f"{tuple(params[name].shape)}, but its local shard on axis "
                                  f"{self.axis!r} ({self.mesh.size(self.axis)} ranks) is {shape}")
 
-    def apply(self, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+    def apply(self, params: Mapping[str, torch.Tensor], *args: Any, mutable: bool = False,
+              **kwargs: Any) -> Any:
         """Run the model with this rank's shards; pure, under torch.func and autograd.
 
         Every rank must pass the same (replicated) inputs, except where a
@@ -245,16 +250,45 @@ class TensorSplitModel:
         rank), ``SplitRNG`` / ``SequenceParallel`` modules a per-rank stream
         derived from it.
 
+        With ``mutable=True`` returns ``(output, new_buffers)`` as
+        ``FunctionalModel.apply`` does (buffers are replicated: each rank's statistics
+        are those of the batch it saw, the whole batch in tensor parallelism).
+
         Example:
             >>> loss = tp.apply(params, x).square().mean()
         """
+        if not isinstance(mutable, bool):
+            raise TypeError(f"apply: mutable must be True or False, got {mutable!r}")
         self.check(params)
         call_params = dict(params)
         for name in self.fmodel.buffer_names:
             call_params[name] = call_params[name].clone()
         with call_streams(self.mesh.index(self.axis)):
-            return torch.func.functional_call(self.module, call_params, args, kwargs,
-                                              tie_weights=True, strict=True)
+            out = torch.func.functional_call(self.module, call_params, args, kwargs,
+                                             tie_weights=True, strict=True)
+        if not mutable:
+            return out
+        return out, {name: call_params[name] for name in self.fmodel.buffer_names}
+
+    def apply_with_buffers(self, params: Mapping[str, torch.Tensor], *args: Any,
+                           **kwargs: Any) -> tuple[Any, Params]:
+        """``apply(params, *args, mutable=True, **kwargs)``: ``(output, new_buffers)``."""
+        return self.apply(params, *args, mutable=True, **kwargs)
+
+    def train(self, mode: bool = True) -> TensorSplitModel:
+        """A copy whose skeletons are in training (or eval) mode; ``self`` is unchanged.
+
+        Example:
+            >>> tp.eval().module.training
+            False
+        """
+        skeleton = copy.deepcopy(self.module)  # the wrappers' meshes are shared, not copied
+        skeleton.train(mode)
+        return dataclasses.replace(self, module=skeleton, fmodel=self.fmodel.train(mode))
+
+    def eval(self) -> TensorSplitModel:
+        """Same as ``train(False)``."""
+        return self.train(False)
 
     # ---------------------------------------------------------------- helpers
 
@@ -270,80 +304,6 @@ class TensorSplitModel:
     def __repr__(self) -> str:
         styles = ", ".join(f"{path}: {type(s).__name__}" for path, s in self.styles.items())
         return f"TensorSplitModel(axis={self.axis!r}, tp={self.mesh.size(self.axis)}, {{{styles}}})"
-
-
-def _match(plan: Mapping[str, object], paths: list[str]) -> dict[str, Style]:
-    styles: dict[str, Style] = {}
-    owner: dict[str, str] = {}
-    for pattern, value in plan.items():
-        style = as_style(value, pattern)
-        matched = [p for p in paths if p and fnmatch.fnmatchcase(p, pattern)]
-        if not matched:
-            raise ValueError(f"tensor_split: plan pattern {pattern!r} matches no module; "
-                             f"module paths are {[p for p in paths if p]}")
-        for path in matched:
-            if path in owner:
-                raise ValueError(f"tensor_split: module {path!r} is matched by both "
-                                 f"{owner[path]!r} and {pattern!r}")
-            owner[path], styles[path] = pattern, style
-    return styles
-
-
-def _detect_fused(style: Style, path: str, skeleton: nn.Module) -> Style:
-    """A plain ``Colwise()`` on a module named ``qkv`` is a fused ``[q|k|v]``: ``fused=3``, with
-    ``n_heads`` from the parent's ``head_dim`` when it has one (as ``shardfn.models.GPT``)."""
-    plain = dataclasses.replace(style, sequence_parallel=False, sequence_dim=-2) \
-        if isinstance(style, Colwise) else style
-    if plain != Colwise() or path.rpartition(".")[2] != "qkv":
-        return style
-    parent = skeleton.get_submodule(path.rpartition(".")[0])
-    head_dim = getattr(parent, "head_dim", None)
-    rows = skeleton.get_submodule(path).out_features
-    if isinstance(head_dim, int) and head_dim > 0 and rows % (3 * head_dim) == 0:
-        return dataclasses.replace(style, fused=3, n_heads=rows // (3 * head_dim))
-    return dataclasses.replace(style, fused=3)
-
-
-def _check_tied(alias: str, owner_name: str, split: dict, axis: str) -> None:
-    """Tied names must be split alike by every module that uses them (or by none)."""
-    use_alias, use_owner = split.get(alias), split.get(owner_name)
-    spec_alias = use_alias[0] if use_alias else P()
-    spec_owner = use_owner[0] if use_owner else P()
-    fused = any(use and isinstance(use[2], Colwise) and use[2].fused > 1
-                for use in (use_alias, use_owner))
-    if spec_alias != spec_owner or fused:
-        where = {n: (u[1] if u else "not in the plan") for n, u in
-                 ((alias, use_alias), (owner_name, use_owner))}
-        raise ValueError(f"tensor_split: {alias!r} is tied to {owner_name!r}, but they are split "
-                         f"differently over {axis!r}: {alias!r} {spec_alias} (module "
-                         f"{where[alias]}), {owner_name!r} {spec_owner} (module "
-                         f"{where[owner_name]}); tied weights need the same split in every "
-                         "module that uses them (e.g. 'vocab' embedding + 'colwise' head)")
-
-
-def _is_sp(style: Style) -> bool:
-    return isinstance(style, SequenceParallel) or getattr(style, "sequence_parallel", False)
-
-
-def _check_sequence_parallel(fmodel: FunctionalModel, styles: Mapping[str, Style],
-                             split: Mapping[str, tuple]) -> None:
-    """With sequence parallelism, a replicated trainable leaf must be in a module that says how
-    it is used: ``SequenceParallel`` (on chunks: its gradient is summed over the axis), a
-    sequence-parallel ``Rowwise`` (its bias), or an explicit ``Replicate`` (on replicated
-    activations). Otherwise its gradient would silently be this rank's chunk's part."""
-    if not any(_is_sp(style) for style in styles.values()):
-        return
-    for name in fmodel.trainable_names:
-        path = name.rpartition(".")[0]
-        style = styles.get(path)
-        if name in split or isinstance(style, SequenceParallel | Replicate) or (
-                isinstance(style, Rowwise) and style.sequence_parallel):
-            continue
-        raise ValueError(
-            f"tensor_split: the plan is sequence parallel, but the replicated leaf {name!r} "
-            f"(module {path!r}: {style or 'not in the plan'}) has no sequence-parallel style; "
-            "if it runs on sequence chunks its gradient would be only this rank's part: give "
-            f"{path!r} SequenceParallel(), or Replicate() if it runs on replicated activations")
 
 
 def tensor_split(fmodel: FunctionalModel, mesh: Mesh | None = None, axis: str = "tp",
@@ -399,11 +359,11 @@ def tensor_split(fmodel: FunctionalModel, mesh: Mesh | None = None, axis: str = 
     tp = mesh.size(axis)
     skeleton = copy.deepcopy(fmodel.module)
     paths = [p for p, _ in skeleton.named_modules(remove_duplicate=False)]
-    styles = _match(plan or {}, paths)
+    styles = match_plan(plan or {}, paths)
     split: dict[str, tuple[P, str, Style]] = {}  # leaf name (aliases too) -> spec, module, style
     for path, style in styles.items():
         module = skeleton.get_submodule(path)
-        style = styles[path] = _detect_fused(style, path, skeleton)
+        style = styles[path] = detect_fused(style, path, skeleton)
         for leaf, spec in leaf_specs(module, path, style, axis, tp).items():
             if getattr(module, leaf, None) is not None:
                 split[f"{path}.{leaf}"] = (spec, path, style)
@@ -411,8 +371,8 @@ def tensor_split(fmodel: FunctionalModel, mesh: Mesh | None = None, axis: str = 
         setattr(skeleton.get_submodule(parent_path), child,
                 wrap(module, style, mesh, axis, path))
     for alias, owner_name in fmodel.tied.items():
-        _check_tied(alias, owner_name, split, axis)
-    _check_sequence_parallel(fmodel, styles, split)
+        check_tied(alias, owner_name, split, axis)
+    check_sequence_parallel(fmodel, styles, split)
     specs: dict[str, Layout | FusedLayout] = {}
     for name, shape in fmodel.param_shapes().items():
         spec, _, style = split.get(name, (P(), "", Replicate()))

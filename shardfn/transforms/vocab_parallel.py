@@ -29,6 +29,7 @@ import math
 
 import torch
 
+from shardfn._torch_internals import unwrap_functorch
 from shardfn.mesh import Mesh
 from shardfn.primitives import all_gather, axis_index, axis_size, psum_invariant
 
@@ -95,12 +96,16 @@ def vocab_parallel_cross_entropy(
                          f"ceil(vocab_size / {n}), i.e. vocab_size in "
                          f"({(local_vocab - 1) * n}, {local_vocab * n}]")
     valid = targets != ignore_index
-    if bool((valid & ((targets < 0) | (targets >= vocab))).any()):
-        bad = targets[valid & ((targets < 0) | (targets >= vocab))][0].item()
+    plain = unwrap_functorch(targets)  # under vmap: every batch element's ids, checked at once
+    out_of_range = (plain != ignore_index) & ((plain < 0) | (plain >= vocab))
+    if bool(out_of_range.any()):
+        bad = plain[out_of_range][0].item()
         raise ValueError(f"vocab_parallel_cross_entropy: target {bad} is outside [0, {vocab}) "
                          f"and is not ignore_index={ignore_index}")
 
-    out_dtype = local_logits.dtype
+    # as F.cross_entropy: the logits' dtype, but float32 under autocast (an fp32 op there)
+    autocast = torch.is_autocast_enabled(local_logits.device.type)
+    out_dtype = torch.float32 if autocast else local_logits.dtype
     logits = local_logits.float() if local_logits.dtype in (torch.float16, torch.bfloat16) \
         else local_logits
     start = rank * local_vocab

@@ -7,16 +7,15 @@ in the test process:
 * ``vmap``: the batched forward, per-example gradients ``vmap(grad(loss))``
   (gathered per example; also the reference GPT, with and without sequence
   parallel) and a vmap over an ensemble of parameter trees; the
-  vocab-parallel loss under vmap fails (xfail);
+  the vocab-parallel loss under vmap;
 * ``jvp`` / ``vjp`` / ``grad_and_value(has_aux=True)``;
 * ``torch.autocast("cpu", bfloat16)``: output dtype, output, loss and gradients
   within a stated bf16 tolerance (and far from the float32 result, so the
   autocast really ran); the reference GPT's loss with and without sequence
-  parallel; the vocab-parallel loss's dtype differs from the unsplit one (xfail);
+  parallel; the vocab-parallel loss in float32 under autocast, as F.cross_entropy;
 * ``eval()`` / ``train()`` with dropout (the reference GPT);
 * buffers in replicated modules (a BatchNorm): the output in both modes and the
-  caller's buffers untouched; returning the updated statistics
-  (``mutable=True``) is not supported yet (xfail).
+  caller's buffers untouched; the updated statistics from ``mutable=True``.
 """
 
 from __future__ import annotations
@@ -261,10 +260,6 @@ def test_autocast_bf16_reference_gpt_loss_equals_unsplit(worlds, sequence_parall
         _close_bf16(got, loss)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="under autocast, F.cross_entropy runs in float32 and returns a float32 "
-                          "loss; sf.vocab_parallel_cross_entropy returns the logits' dtype "
-                          "(bf16), so the loss is rounded to 8 significant bits")
 def test_autocast_vocab_parallel_loss_has_the_unsplit_dtype(worlds):
     _, loss = _unsplit_gpt_autocast_loss()
     assert loss.dtype == torch.float32
@@ -308,10 +303,6 @@ def test_vmap_per_example_grads_of_reference_gpt_equal_unsplit(worlds, sequence_
         assert_close(got, expected)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="sf.vocab_parallel_cross_entropy checks the targets' range with "
-                          "bool(tensor.any()) (transforms/vocab_parallel.py), which is "
-                          "data-dependent control flow that torch.func.vmap refuses")
 def test_vmap_per_example_grads_with_vocab_parallel_loss(worlds):
     expected = _unsplit_gpt_per_example()
     for got in worlds(2).run(_gpt_per_example_on_rank, False, True):
@@ -354,9 +345,6 @@ def _eval_method_on_rank():
     return sf.all_gather(evaluating.apply(tp.init(0), tokens), "tp", dim=-1, mesh=mesh)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="TensorSplitModel has no train()/eval() (FunctionalModel has): to "
-                          "evaluate, one must split fmodel.eval() again")
 def test_tensor_split_model_eval_equals_unsplit_eval(worlds):
     fmodel, tokens, _ = _gpt(0.5)
     expected = fmodel.eval().apply(fmodel.init(0), tokens)
@@ -420,9 +408,6 @@ def _mutable_on_rank(x: torch.Tensor):
     return new_buffers
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="TensorSplitModel.apply has no mutable=True (FunctionalModel.apply "
-                          "has): BatchNorm statistics updated in training are dropped")
 def test_updated_buffers_come_back_from_apply(worlds):
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
     fmodel = sf.functional(NormedBlock(4, 8))
