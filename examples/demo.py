@@ -329,8 +329,13 @@ def _detach(tree: dict) -> dict:
 
 
 def _progress(steps: int, plan: str, n: int):
+    import threading
+
     from tqdm import tqdm
 
+    # a thread lock: tqdm's default also makes a multiprocessing semaphore, which a local
+    # world's worker (it exits without interpreter teardown) would leave behind
+    tqdm.set_lock(threading.RLock())
     return tqdm(total=steps, desc=f"{plan} on {n} ranks", unit="step", file=sys.stdout,
                 mininterval=0.25, ncols=100)
 
