@@ -53,7 +53,8 @@ BENCHES = (
 
 
 class Target(NamedTuple):
-    """``row``/``column``: case-insensitive substrings of a table's first cell / header."""
+    """``row``: a case-insensitive substring of a table row (its cells joined by " | ");
+    ``column``: of the header cell whose values are read."""
 
     bench: str
     text: str
@@ -71,6 +72,16 @@ TARGETS = (
            "shard_params (zero-3, torch.func, donated)", "ratio to ddp", "<=", 1.10),
     Target("scaling", "memory per rank = ZeRO formula (padding aside), every strategy and N",
            "", "ratio", "<=", 1.02),
+    Target("tp", "tensor_split no slower than torch parallelize_module (autograd step)",
+           "autograd step", "ratio (target", "<=", 1.0),
+    Target("tp", "tensor_split no slower than torch parallelize_module (torch.func step)",
+           "torch.func step", "ratio (target", "<=", 1.0),
+    Target("pp", "pipeline_stages no slower than torch.distributed.pipelining, each schedule",
+           "shardfn pipeline_stages", "ratio to torch", "<=", 1.0),
+    Target("ckpt", "sf.checkpoint save no slower than DCP + FSDP2", "save (s)",
+           "ratio sf/torch", "<=", 1.0),
+    Target("ckpt", "sf.checkpoint load no slower than DCP + FSDP2", "load (s)",
+           "ratio sf/torch", "<=", 1.0),
 )
 
 
@@ -100,7 +111,7 @@ def measured(target: Target, text: str) -> list[float]:
         if not cols:
             continue
         for row in rows:
-            if target.row.lower() in row[0].lower() and len(row) > cols[0]:
+            if target.row.lower() in " | ".join(row).lower() and len(row) > cols[0]:
                 value = _number(row[cols[0]])
                 if value is not None:
                     values.append(value)
