@@ -117,6 +117,23 @@ def stage(entries: list[Entry], leaves: list, copy: bool) -> dict[str, Staged]:
     return out
 
 
+def _snapshot(state):
+    """A copy of every tensor of ``state`` in CPU memory (the values at the call)."""
+    return pytree.tree_map(lambda x: x.detach().to("cpu", copy=True)
+                           if isinstance(x, torch.Tensor) else x, state)
+
+
+def _prepare(state, layouts, mesh: Mesh | None, rank: int
+             ) -> tuple[dict[str, Staged], dict[str, int]]:
+    """Resolve the layouts, stage views of ``state``'s chunks, digest its replicated leaves."""
+    entries = resolve(state, layouts, mesh, rank)
+    leaves = pytree.tree_leaves(state)
+    staged = stage(entries, leaves, copy=False)
+    digests = {e.key: _digest(x) for e, x in zip(entries, leaves, strict=True)
+               if e.replicated and e.key}
+    return staged, digests
+
+
 def _digest(x) -> int:
     if isinstance(x, torch.Tensor):
         raw = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -189,18 +206,24 @@ def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
     rank, world = _world(group)
     staged: dict[str, Staged] = {}
     info: dict[str, Any] = {}
+    source = state
     with local() as outcome:  # the only part an async save runs before returning
         the_mesh = _mesh(mesh)
-        entries = resolve(state, layouts, the_mesh, rank)
-        leaves = pytree.tree_leaves(state)
-        staged = stage(entries, leaves, copy=async_)
-        digests = {e.key: _digest(x) for e, x in zip(entries, leaves, strict=True)
-                   if e.replicated and e.key}
         info = {"step": step, "world_size": world, "mesh": None if the_mesh is None else
                 dict(zip(the_mesh.axis_names, the_mesh.shape, strict=True))}
-        outcome.payload = (digests, uuid.uuid4().hex[:12])
+        if async_:  # the staging copy, and nothing else: layouts are read in the background
+            source = _snapshot(state)
+        else:
+            staged, digests = _prepare(state, layouts, the_mesh, rank)
+        outcome.payload = ({} if async_ else digests, uuid.uuid4().hex[:12])
 
     def write() -> str:
+        nonlocal staged
+        if async_ and outcome.error is None:
+            with local() as prepared:
+                staged, digests = _prepare(source, layouts, the_mesh, rank)
+                outcome.payload = (digests, outcome.payload[1])
+            outcome.error = prepared.error
         with local() as checked:
             if rank == 0 and os.path.exists(final) and not overwrite:
                 raise FileExistsError(f"checkpoint {final!r} already exists (overwrite=True "
