@@ -212,7 +212,11 @@ def _sf_system(ctx: Context, name: str, wrong: bool = False) -> System:
     mesh = sf.Mesh({"pp": ctx.world})
     pp = pipeline_stages(units, mesh, "pp", balance=list(ctx.balance(name, units)),
                             schedule=name, microbatches=ctx.cfg.microbatches, loss_fn=loss_of,
-                            virtual=virtual_of(name, ctx.cfg))
+                            virtual=virtual_of(name, ctx.cfg),
+                            # declared like torch's stages, which infer them once: one message
+                            # per activation instead of a shape header and then the payload
+                            shapes=(ctx.cfg.batch // ctx.cfg.microbatches, ctx.cfg.tokens,
+                                    ctx.cfg.d))
     state = dict(units.named_parameters())
     names = sorted(pp.init(ctx.cfg.seed))
     missing = [n for n in names if n not in state]
