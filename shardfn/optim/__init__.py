@@ -30,7 +30,7 @@ from shardfn.optim.base import (
     scale_by_schedule,
     set_to_zero,
 )
-from shardfn.optim.clipping import clip_by_global_norm, global_norm, sharded_over
+from shardfn.optim.clipping import clip_by_global_norm, clip_grads, global_norm, sharded_over
 from shardfn.optim.donation import Donation, donated
 from shardfn.optim.masking import MaskedState, MultiTransformState, masked, multi_transform
 from shardfn.optim.schedules import (
@@ -59,6 +59,7 @@ __all__ = [
     "apply_updates",
     "chain",
     "clip_by_global_norm",
+    "clip_grads",
     "constant",
     "cosine_decay",
     "donated",
