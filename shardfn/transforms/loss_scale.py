@@ -76,8 +76,9 @@ class LossScaler(NamedTuple):
 
 
 def _scale(loss: torch.Tensor, state: ScaleState) -> torch.Tensor:
-    # a 0-dim float32 factor keeps the loss's dtype but multiplies in float32 arithmetic,
-    # so a scale above the fp16 maximum (65504) does not turn into inf by itself
+    # type promotion: a 0-dim fp16 loss times the 0-dim float32 scale is float32 (no overflow
+    # for scales above the fp16 maximum, 65504); a loss with dims stays fp16 and can overflow
+    # to inf, so compute the loss in float32 (Precision(output_dtype=torch.float32))
     return loss * state.scale
 
 
