@@ -126,6 +126,14 @@ def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, 
     leaves, treedef = pytree.tree_flatten(like)
     with local() as outcome:
         entries = resolve(like, layouts, _mesh(mesh), rank)
+        per_rank = sorted(e.name for e in entries if e.key is not None and
+                          e.key.endswith(f"@rank{rank}"))
+        saved_world = manifest.get("world_size")
+        if per_rank and saved_world is not None and saved_world != world:
+            raise ValueError(f"checkpoint load: {per_rank} are PerRank leaves (one value per "
+                             f"rank), saved by {saved_world} ranks; this run has {world}, so "
+                             "they cannot be matched to ranks. Load them as Skip() (keep "
+                             "like's value) or save them replicated")
         outcome.payload = ({e.key for e in entries if e.key is not None},
                            {e.name for e in entries})
     everyone = agree(group, outcome, f"checkpoint load of {str(path)!r} (layouts)")

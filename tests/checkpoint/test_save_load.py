@@ -114,6 +114,18 @@ def test_replicated_leaves_must_agree_or_be_per_rank(worlds, tmp_path):
     assert worlds(2).run(_per_rank, str(tmp_path / "b"), True) == [True, True]
 
 
+def test_per_rank_leaves_refuse_another_world_size(worlds, tmp_path):
+    """A PerRank leaf saved by 2 ranks has no meaning in one process (it used to load rank
+    0's value silently): refused naming the leaf; Skip() keeps like's value instead."""
+    path = str(tmp_path / "p")
+    assert worlds(2).run(_per_rank, path, True) == [True, True]
+    like = {"w": torch.zeros(4), "rng": torch.zeros_like(torch.Generator().get_state())}
+    with pytest.raises(ValueError, match=r"\['rng'\] are PerRank leaves.*saved by 2 ranks"):
+        ck.load(path, like, layouts={"rng": ck.PerRank()})
+    out = ck.load(path, like, layouts={"rng": ck.Skip()})
+    assert torch.equal(out["w"], torch.arange(4.0)) and torch.equal(out["rng"], like["rng"])
+
+
 def test_bad_layouts_name_the_leaf(tmp_path):
     mesh = sf.Mesh({"dp": 1})
     with pytest.raises(ValueError, match="leaf 'w'.*local shape"):
