@@ -158,7 +158,10 @@ def ratio_plot(outputs: dict[str, str], path: str) -> str | None:
             for row in rows:
                 value = _number(row[cols[0]]) if len(row) > cols[0] else None
                 if value is not None and 0 < value < 20:
-                    bars.append((f"{key}: {row[0][:48]}", value))
+                    label = f"{key}: {row[0][:44]}"
+                    if len(row) > 1 and ";" in row[1]:  # "plan; variant": show the variant
+                        label += f" ({row[1].rsplit(';', 1)[1].strip()[:32]})"
+                    bars.append((label, value))
     if not bars:
         return None
     fig, ax = plt.subplots(figsize=(8, 0.32 * len(bars) + 1.2))
