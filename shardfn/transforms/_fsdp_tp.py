@@ -40,10 +40,8 @@ from torch import nn
 
 from shardfn.functional import FunctionalModel
 from shardfn.mesh import Mesh
-from shardfn.primitives import all_gather
 from shardfn.spec import Layout, gather, spec_axes
 from shardfn.transforms._tp_rng import call_streams
-from shardfn.transforms._tp_styles import fused_full, fused_local
 from shardfn.transforms.tensor_split import FusedLayout, TensorSplitModel
 
 __all__ = ["FsdpTpLayout", "FsdpTpModel", "TpLocalModel", "copy_sharing_meshes",
@@ -116,37 +114,6 @@ class FsdpTpLayout:
         raise self._refuse()
 
 
-def _tp_cut(full: Mapping[str, torch.Tensor], tp: TensorSplitModel) -> Params:
-    """This rank's TP shards (copies) of the leaves in ``full`` (any subset of the names)."""
-    size, rank = tp.mesh.size(tp.axis), tp.mesh.index(tp.axis)
-    out = {}
-    for name, x in full.items():
-        layout = tp.specs[name]
-        if isinstance(layout, FusedLayout):
-            out[name] = fused_local(x, layout.parts, size, rank).clone()
-            continue
-        for dim, part in enumerate(layout.spec):
-            if part is not None:
-                block = x.shape[dim] // size
-                x = x.narrow(dim, rank * block, block)
-        out[name] = x.clone() if spec_axes(layout) else x
-    return out
-
-
-def _tp_gather(local: Mapping[str, torch.Tensor], tp: TensorSplitModel) -> Params:
-    """The full leaves from every tp rank's shards of the leaves in ``local`` (differentiable)."""
-    size = tp.mesh.size(tp.axis)
-    out = {}
-    for name, x in local.items():
-        layout = tp.specs[name]
-        if isinstance(layout, FusedLayout):
-            gathered = all_gather(x, layout.axis, dim=0, mesh=tp.mesh)
-            out[name] = fused_full(gathered, layout.parts, size)
-        else:
-            out[name] = gather(x, layout, tp.mesh)
-    return out
-
-
 # ---------------------------------------------------------------- the TP-local model
 
 
@@ -173,7 +140,7 @@ class TpLocalModel(FunctionalModel):
             >>> local.init_subset(0, ["blocks.0.mlp.fc1"])["blocks.0.mlp.fc1.weight"].shape
         """
         full = self.tp.fmodel.init_subset(seed, module_paths, device, recurse=recurse)
-        return _tp_cut(full, self.tp)
+        return self.tp.cut(full)
 
     def train(self, mode: bool = True) -> TpLocalModel:
         """A copy in training (or eval) mode, its skeleton's meshes shared."""
@@ -281,7 +248,7 @@ class FsdpTpModel:
         names = [name for name in self.names if name in shards]
         dp = self.sharded.specs
         local = gather({n: shards[n] for n in names}, {n: dp[n] for n in names}, self.mesh)
-        return _tp_gather(local, self.tp)
+        return self.tp.gather_leaves(local)
 
     def apply(self, shards: Mapping[str, torch.Tensor], *args: Any, mutable: bool = False,
               **kwargs: Any) -> Any:

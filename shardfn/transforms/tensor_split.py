@@ -57,7 +57,7 @@ from torch import nn
 from shardfn.functional import FunctionalModel
 from shardfn.mesh import Mesh, get_mesh
 from shardfn.primitives import all_gather
-from shardfn.spec import Layout, P, gather, local_shape
+from shardfn.spec import Layout, P, gather, local_shape, spec_axes
 from shardfn.transforms._tp_plan import (
     check_sequence_parallel,
     check_tied,
@@ -174,7 +174,7 @@ class TensorSplitModel:
         """
         out: Params = {}
         for path in self.fmodel.module_paths:
-            out.update(self._cut(self.fmodel.init_subset(seed, [path], device=device)))
+            out.update(self.cut(self.fmodel.init_subset(seed, [path], device=device)))
         return {name: out[name] for name in self.names}
 
     def shard_params_tree(self, full: Mapping[str, torch.Tensor]) -> Params:
@@ -188,9 +188,11 @@ class TensorSplitModel:
             in ``names`` order.
         """
         self.fmodel.check(full)
-        return self._cut(full)
+        return self.cut(full)
 
-    def _cut(self, full: Mapping[str, torch.Tensor]) -> Params:
+    def cut(self, full: Mapping[str, torch.Tensor]) -> Params:
+        """This rank's shards of the leaves in ``full``, any subset of the names (no checks,
+        no communication): split leaves are copies, replicated ones ``full``'s tensors."""
         tp, rank = self.mesh.size(self.axis), self.mesh.index(self.axis)
         out = {}
         for name, x in full.items():
@@ -198,7 +200,7 @@ class TensorSplitModel:
             if isinstance(layout, FusedLayout):
                 out[name] = fused_local(x, layout.parts, tp, rank).clone()
                 continue
-            if any(part is not None for part in layout.spec) and tp > 1:
+            if spec_axes(layout):
                 for dim, part in enumerate(layout.spec):
                     if part is not None:
                         block = x.shape[dim] // tp
@@ -214,15 +216,21 @@ class TensorSplitModel:
             >>> full = tp.gather_params(params)   # == fmodel.init(0)
         """
         self.check(params)
-        plain = {n: params[n] for n in self.names if not isinstance(self.specs[n], FusedLayout)}
-        full = gather(plain, {n: self.specs[n] for n in plain}, self.mesh)
+        return self.gather_leaves(params)
+
+    def gather_leaves(self, local: Mapping[str, torch.Tensor]) -> Params:
+        """The full leaves from every rank's shards of the leaves in ``local``, any subset of
+        the names (every rank must pass the same names); differentiable."""
+        names = [n for n in self.names if n in local]
+        plain = [n for n in names if not isinstance(self.specs[n], FusedLayout)]
+        full = gather({n: local[n] for n in plain}, {n: self.specs[n] for n in plain}, self.mesh)
         tp = self.mesh.size(self.axis)
-        for name in self.names:
+        for name in names:
             layout = self.specs[name]
             if isinstance(layout, FusedLayout):
-                gathered = all_gather(params[name], self.axis, dim=0, mesh=self.mesh)
+                gathered = all_gather(local[name], self.axis, dim=0, mesh=self.mesh)
                 full[name] = fused_full(gathered, layout.parts, tp)
-        return {name: full[name] for name in self.names}
+        return {name: full[name] for name in names}
 
     # ---------------------------------------------------------------- apply
 
