@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from shardfn.checkpoint import _hooks
 from shardfn.checkpoint._layout import Entry
 
-__all__ = ["Staged", "checkpoint_group", "read_metadata", "run_load", "run_save"]
+__all__ = ["Reader", "Staged", "checkpoint_group", "run_load", "run_save"]
 
 
 class Staged(NamedTuple):
@@ -247,19 +247,30 @@ def run_save(staged: dict[str, Staged], path: str, group, thread_count: int = 1
     return dict(writer.fs.digests)
 
 
-def read_metadata(path: str) -> Metadata:
-    """The DCP metadata of the checkpoint at ``path``."""
-    return FileSystemReader(path).read_metadata()
+class Reader(FileSystemReader):
+    """A DCP reader of one checkpoint that reads its metadata file once: ``load`` checks
+    ``like`` against it, then DCP's own load plan asks for it again."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.cached_metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if args or kwargs:  # another rank's metadata file: not cached
+            return super().read_metadata(*args, **kwargs)
+        if self.cached_metadata is None:
+            self.cached_metadata = super().read_metadata()
+        return self.cached_metadata
 
 
-def run_load(entries_with_views: list[tuple[Entry, dict | None]], path: str, group
+def run_load(entries_with_views: list[tuple[Entry, dict | None]], reader: Reader, group
              ) -> dict[str, _Target]:
-    """Read every given key of the checkpoint at ``path`` (collective); returns the targets
-    (tensor data lands in the views; objects in ``.value``)."""
+    """Read every given key of the checkpoint ``reader`` reads (collective); returns the
+    targets (tensor data lands in the views; objects in ``.value``)."""
     targets = {e.key: _Target(e, views) for e, views in entries_with_views}
     if not targets and group is None:
         return targets
     with _quiet():
-        dcp.load(targets, storage_reader=FileSystemReader(path), planner=_LoadPlanner(),
+        dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(),
                  process_group=group, no_dist=group is None)
     return targets

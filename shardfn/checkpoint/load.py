@@ -27,7 +27,7 @@ import torch
 from shardfn import pytree
 from shardfn.checkpoint import _commit
 from shardfn.checkpoint._agree import agree, local
-from shardfn.checkpoint._dcp import checkpoint_group, read_metadata, run_load
+from shardfn.checkpoint._dcp import Reader, checkpoint_group, run_load
 from shardfn.checkpoint._layout import Entry, resolve
 from shardfn.checkpoint.errors import CheckpointMismatchError
 from shardfn.checkpoint.save import _mesh, _world, wait_pending
@@ -139,7 +139,8 @@ def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, 
     everyone = agree(group, outcome, f"checkpoint load of {str(path)!r} (layouts)")
     with local() as outcome:
         elsewhere = (set().union(*(k for k, _ in everyone)), set().union(*(n for _, n in everyone)))
-        problems = mismatches(entries, leaves, read_metadata(path), elsewhere)
+        reader = Reader(str(path))
+        problems = mismatches(entries, leaves, reader.read_metadata(), elsewhere)
         if problems:
             raise CheckpointMismatchError(f"checkpoint {str(path)!r} does not fit like: "
                                           + " | ".join(problems))
@@ -158,7 +159,7 @@ def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, 
                 todo.append((entry, None))
     agree(group, outcome, f"checkpoint load of {str(path)!r}")
     with local() as outcome:
-        targets = run_load(todo, path, group)
+        targets = run_load(todo, reader, group)
         for i, (entry, x) in enumerate(zip(entries, leaves, strict=True)):
             if entry.key is not None and not entry.tensor:
                 fresh[i] = targets[entry.key].value
