@@ -22,8 +22,9 @@ from tests.transforms.pipeline._pipeline_models import batch, mlp_units, mse, re
 STEPS = 5
 
 
-def _single_process_training(seed: int, x: torch.Tensor, y: torch.Tensor):
-    model = sf.functional(nn.Sequential(*mlp_units(6)))
+def _single_process_training(seed: int, x: torch.Tensor, y: torch.Tensor, units=None):
+    """STEPS AdamW steps of ``nn.Sequential(*units)`` (default: six MLP units) on one process."""
+    model = sf.functional(nn.Sequential(*(mlp_units(6) if units is None else units)))
     params = model.init(seed)
     opt = sf.optim.adamw(1e-2, weight_decay=0.1)
     state = opt.init(params)
@@ -125,17 +126,7 @@ def _blocks():
 
 
 def _single_process_blocks(seed: int, x: torch.Tensor, y: torch.Tensor):
-    model = sf.functional(nn.Sequential(*_blocks()))
-    params = model.init(seed)
-    opt = sf.optim.adamw(1e-2, weight_decay=0.1)
-    state = opt.init(params)
-    losses = []
-    for _ in range(STEPS):
-        grads, loss = torch.func.grad_and_value(lambda p: mse(model.apply(p, x), y))(params)
-        updates, state = opt.update(grads, state, params)
-        params = sf.optim.apply_updates(params, updates)
-        losses.append(loss)
-    return params, losses
+    return _single_process_training(seed, x, y, _blocks())
 
 
 def _composed_training(kind: str, seed: int, x: torch.Tensor, y: torch.Tensor):
