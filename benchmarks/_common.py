@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 __all__ = [
     "MiB",
+    "all_ok",
+    "max_over_ranks",
     "Registry",
     "Result",
     "System",
@@ -129,13 +131,15 @@ def rel_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> fl
     return worst
 
 
-def _all_ok(ok: bool) -> bool:
+def all_ok(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (a MIN all-reduce)."""
     flag = torch.tensor([1 if ok else 0])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 
-def _max_over_ranks(value: float) -> float:
+def max_over_ranks(value: float) -> float:
+    """The largest ``value`` over the ranks (a MAX all-reduce)."""
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
@@ -179,7 +183,7 @@ def run_interleaved(ctx: Any, registry: Registry, keys: list[str], *, warmup: in
             error = _short_error(e)
             if os.environ.get("BENCH_TRACEBACK"):
                 traceback.print_exc()
-        if not _all_ok(error is None):
+        if not all_ok(error is None):
             systems.pop(key, None)
             errors[key] = error or "failed on another rank"
             log(f"  setup {key}: FAILED ({errors[key]})")
@@ -208,7 +212,7 @@ def run_interleaved(ctx: Any, registry: Registry, keys: list[str], *, warmup: in
             dist.barrier()
             elapsed = time.perf_counter() - t0
             sent[key] = comm_stats().total_bytes
-            if not _all_ok(error is None):
+            if not all_ok(error is None):
                 errors[key] = f"step {r}: " + (error or "failed on another rank")
                 del systems[key]
                 log(f"  {key}: FAILED at step {r} ({errors[key]})")
@@ -227,13 +231,13 @@ def run_interleaved(ctx: Any, registry: Registry, keys: list[str], *, warmup: in
         if key in systems:
             try:
                 local = systems[key].memory()
-                memory = {k: int(_max_over_ranks(v)) for k, v in local.items()}
+                memory = {k: int(max_over_ranks(v)) for k, v in local.items()}
                 if ref_params is not None:
-                    diff = _max_over_ranks(rel_diff(systems[key].params(), ref_params))
+                    diff = max_over_ranks(rel_diff(systems[key].params(), ref_params))
             except Exception as e:  # noqa: BLE001
                 errors[key] = "after the run: " + _short_error(e)
         counts = key in systems and systems[key].counts_comm
-        sent_bytes = int(_max_over_ranks(sent.get(key, 0))) if counts else None
+        sent_bytes = int(max_over_ranks(sent.get(key, 0))) if counts else None
         results.append(Result(key, registry.label(key), times[key], memory, sent_bytes, diff,
                               errors.get(key)))
     return results

@@ -73,7 +73,7 @@ import einops
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import MiB, machine_info, rel_diff, storage_bytes
+from _common import MiB, all_ok, machine_info, max_over_ranks, rel_diff, storage_bytes
 from bench_dp import Config as MLPConfig
 from bench_dp import MLPModel
 from torch import nn
@@ -397,18 +397,6 @@ def setup_torch(model: Model, sequence_parallel: bool) -> TPSystem:
 # ----------------------------------------------------------------------------- measuring
 
 
-def _all_ok(ok: bool) -> bool:
-    flag = torch.tensor([1 if ok else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def _kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -489,7 +477,7 @@ def measure_group(kind: str, settings: Settings, warmup: int, steps: int,
             error = "n/a (not available)"
         except Exception as e:  # noqa: BLE001 - a broken system must not stop the run
             error = "failed: " + f"{type(e).__name__}: {e}".splitlines()[0][:150]
-        if not _all_ok(error is None):
+        if not all_ok(error is None):
             systems.pop(name, None)
             rows[name].error = error or "failed on another rank"
         log(f"  {kind} {name}: {rows[name].error or 'ok'} (first loss {rows[name].loss:.6f}, "
@@ -509,10 +497,10 @@ def measure_group(kind: str, settings: Settings, warmup: int, steps: int,
         log(f"  {kind}: round {r + 1}/{warmup + steps}")
     last = warmup + steps
     for name, system in systems.items():
-        rows[name].cpu_median_s = _max_over_ranks(statistics.median(rows[name].cpu_s))
+        rows[name].cpu_median_s = max_over_ranks(statistics.median(rows[name].cpu_s))
         peak = step_peak_bytes(lambda system=system: system.step(last))
-        rows[name].peak_bytes = int(_max_over_ranks(peak))
-        rows[name].state_bytes = {k: int(_max_over_ranks(storage_bytes(v)))
+        rows[name].peak_bytes = int(max_over_ranks(peak))
+        rows[name].state_bytes = {k: int(max_over_ranks(storage_bytes(v)))
                                   for k, v in system.state().items()}
     diff: dict[str, float | None] = dict.fromkeys(SHARDFN_STEPS)
     if "torch" in systems:
@@ -520,7 +508,7 @@ def measure_group(kind: str, settings: Settings, warmup: int, steps: int,
         for name in SHARDFN_STEPS:
             if name in systems:
                 got = without_key_bias(systems[name].params())
-                diff[name] = _max_over_ranks(rel_diff(got, reference))
+                diff[name] = max_over_ranks(rel_diff(got, reference))
     params = sum(p.numel() for p in model.make_module().parameters())
     return {"kind": kind, "rows": rows, "diff": diff, "params": params}
 
