@@ -96,9 +96,9 @@ def _mesh(mesh: Mesh | None) -> Mesh | None:
     return mesh
 
 
-def stage(entries: list[Entry], leaves: list, copy: bool) -> dict[str, Staged]:
-    """One :class:`Staged` per saved key; with ``copy`` every chunk is copied to CPU memory
-    (the values at this call, whatever the step does next)."""
+def stage(entries: list[Entry], leaves: list) -> dict[str, Staged]:
+    """One :class:`Staged` per saved key: views of each leaf's chunks (an async save stages
+    a CPU copy of the state first, see :func:`_snapshot`)."""
     if len(entries) != len(leaves):
         raise AssertionError(f"{len(entries)} entries for {len(leaves)} leaves")
     out = {}
@@ -110,9 +110,7 @@ def stage(entries: list[Entry], leaves: list, copy: bool) -> dict[str, Staged]:
             continue
         data = {}
         for chunk in entry.chunks:
-            view = chunk.view(x.detach())
-            data[chunk.offsets] = view.to("cpu", copy=True, memory_format=torch.contiguous_format) \
-                if copy else view
+            data[chunk.offsets] = chunk.view(x.detach())
         out[entry.key] = Staged(entry, data, None, x.dtype)
     return out
 
@@ -128,7 +126,7 @@ def _prepare(state, layouts, mesh: Mesh | None, rank: int
     """Resolve the layouts, stage views of ``state``'s chunks, digest its replicated leaves."""
     entries = resolve(state, layouts, mesh, rank)
     leaves = pytree.tree_leaves(state)
-    staged = stage(entries, leaves, copy=False)
+    staged = stage(entries, leaves)
     digests = {e.key: _digest(x) for e, x in zip(entries, leaves, strict=True)
                if e.replicated and e.key}
     return staged, digests
