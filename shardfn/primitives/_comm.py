@@ -105,7 +105,7 @@ def all_gather(x: torch.Tensor, ax: Axis, dim: int) -> torch.Tensor:
     stats.record(ax.key, "all_gather", _nbytes(x) * (ax.size - 1))
     with stats.collective_scope(ax.describe("all_gather")):
         out = _ops.wait_tensor(_ops.all_gather_into_tensor(moved, ax.size, ax.group_name))
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # a row-major result, as torch.cat gives
 
 
 @_complex_as_real
@@ -122,7 +122,7 @@ def psum_scatter(x: torch.Tensor, ax: Axis, dim: int) -> torch.Tensor:
     stats.record(ax.key, "psum_scatter", _nbytes(x) * (ax.size - 1) / ax.size)
     with stats.collective_scope(ax.describe("psum_scatter")):
         out = _ops.wait_tensor(_ops.reduce_scatter_tensor(moved, "sum", ax.size, ax.group_name))
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 @_complex_as_real

@@ -537,3 +537,25 @@ def test_fp16_pmean_of_a_mean_that_fits_does_not_overflow(worlds, n, value):
         expected = torch.full((3,), value, dtype=torch.float16)
         assert_close(mean, expected)
         assert_close(invariant, expected)
+
+
+def test_gather_and_scatter_along_a_later_dim_are_row_major(worlds):
+    """all_gather / psum_scatter along dim != 0 give contiguous results, as torch.cat does,
+    so ``.view`` on them works like on the unsharded value."""
+
+    def on_rank():
+        mesh = sf.Mesh({"dp": 2})
+        x = torch.arange(12.0).reshape(2, 3, 2) + 100 * mesh.index("dp")
+        gathered = sf.all_gather(x, "dp", dim=2, mesh=mesh)
+        scattered = sf.psum_scatter(x.repeat(1, 1, 2), "dp", dim=2, mesh=mesh)
+        return (gathered.is_contiguous(), scattered.is_contiguous(), gathered.view(-1),
+                scattered.view(-1))
+
+    results = worlds(2).run(on_rank)
+    xs = [torch.arange(12.0).reshape(2, 3, 2) + 100 * r for r in range(2)]
+    whole = torch.cat(xs, dim=2)
+    summed = (xs[0] + xs[1]).repeat(1, 1, 2)
+    for r, (g_ok, s_ok, gathered, scattered) in enumerate(results):
+        assert g_ok and s_ok
+        assert_close(gathered, whole.reshape(-1))
+        assert_close(scattered, summed[:, :, 2 * r:2 * r + 2].reshape(-1))
