@@ -41,10 +41,12 @@ import contextvars
 import dataclasses
 import hashlib
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["call_streams", "rank_seed", "rank_stream"]
+__all__ = ["StreamsState", "call_streams", "rank_seed", "rank_stream", "replay_streams",
+           "set_streams", "streams_state"]
 
 _MASK = (1 << 63) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -142,3 +144,74 @@ def rank_stream(device: torch.device) -> Iterator[None]:
         streams.drew = streams.drew or not torch.equal(now, start)
         mine.set_state(now)
         default.set_state(saved)
+
+
+# --------------------------------------------------------------- recomputation (remat, ZeRO-3)
+class StreamsState(NamedTuple):
+    """A snapshot of the current call's per-rank streams, for a recomputation to start from.
+
+    Attributes:
+        rank: the tp rank of the call.
+        base: the call's base seed, or None if no split-region module has run yet
+            (a recomputation then derives it from the replayed global state, as the
+            forward did).
+        generators: ``(device, generator state)`` of each stream made so far.
+        drew: whether a split-region module of the call drew random numbers.
+    """
+
+    rank: int
+    base: int | None
+    generators: tuple[tuple[torch.device, torch.Tensor], ...]
+    drew: bool
+
+
+def streams_state() -> StreamsState | None:
+    """The current call's streams (None outside ``TensorSplitModel.apply``).
+
+    Taken with the global RNG state by ``recording.rng_state``, so a recomputation in
+    backward (``sf.remat``, ``shard_params(remat=...)``), which runs outside ``apply``,
+    draws the same split-region masks as the forward.
+    """
+    streams = _CURRENT.get()
+    if streams is None:
+        return None
+    return StreamsState(streams.rank, streams.base,
+                        tuple((d, g.get_state()) for d, g in streams.generators.items()),
+                        streams.drew)
+
+
+def _restore(streams: _CallStreams, state: StreamsState) -> None:
+    streams.base = state.base
+    streams.generators = {}
+    for device, generator_state in state.generators:
+        generator = torch.Generator(device)
+        generator.set_state(generator_state)
+        streams.generators[device] = generator
+
+
+@contextlib.contextmanager
+def replay_streams(state: StreamsState | None) -> Iterator[None]:
+    """Run the block with the streams as ``state`` had them (no streams if None).
+
+    The call's own streams, if any, are untouched, and leaving advances nothing:
+    a recomputation consumes no randomness of the live call.
+    """
+    streams = None
+    if state is not None:
+        streams = _CallStreams(state.rank)
+        _restore(streams, state)
+    token = _CURRENT.set(streams)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def set_streams(state: StreamsState | None) -> None:
+    """Move the current call's streams to ``state`` for good (a unit call whose replay
+    is skipped leaves them where the forward's call of it left them)."""
+    streams = _CURRENT.get()
+    if streams is None or state is None or state.rank != streams.rank:
+        return
+    _restore(streams, state)
+    streams.drew = streams.drew or state.drew

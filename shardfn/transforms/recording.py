@@ -59,6 +59,7 @@ from shardfn._torch_internals import (
     torch_tree_unflatten,
     unwrap_functorch,
 )
+from shardfn.transforms._tp_rng import StreamsState, replay_streams, streams_state
 
 __all__ = [
     "CASTS",
@@ -358,10 +359,13 @@ class Replayer(TorchDispatchMode):
 
 # ----------------------------------------------------------------------------- RNG state
 class RngState(NamedTuple):
-    """The CPU generator's state and each given CUDA device's (index -> state)."""
+    """The CPU generator's state, each given CUDA device's (index -> state), and the
+    tensor-parallel per-rank dropout streams of the ``TensorSplitModel.apply`` call it
+    was taken in (None outside one; :mod:`._tp_rng`)."""
 
     cpu: torch.Tensor
     cuda: dict[int, torch.Tensor]
+    split: StreamsState | None = None
 
 
 def rng_state(tensors=()) -> RngState:
@@ -377,13 +381,13 @@ def rng_state(tensors=()) -> RngState:
         devices = {t.device.index for t in tensors if t.device.type == "cuda"}
         for index in devices or {torch.cuda.current_device()}:
             cuda[index] = torch.cuda.get_rng_state(index)
-    return RngState(torch.get_rng_state(), cuda)
+    return RngState(torch.get_rng_state(), cuda, streams_state())
 
 
 @contextlib.contextmanager
 def replay_rng(state: RngState) -> Iterator[None]:
     """Run a block from ``state``; the RNG state before the block is restored after it."""
-    with torch.random.fork_rng(devices=list(state.cuda)):
+    with torch.random.fork_rng(devices=list(state.cuda)), replay_streams(state.split):
         torch.set_rng_state(state.cpu)
         for index, cuda_state in state.cuda.items():
             torch.cuda.set_rng_state(cuda_state, index)

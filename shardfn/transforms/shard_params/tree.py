@@ -17,6 +17,7 @@ import torch
 
 from shardfn import pytree
 from shardfn._torch_internals import temporarily_clear_interpreter_stack, unwrap_functorch
+from shardfn.transforms._tp_rng import set_streams
 from shardfn.transforms.recording import RngState
 from shardfn.transforms.shard_params.exchange import UnitGather, no_functorch
 from shardfn.transforms.shard_params.plan import Unit
@@ -126,3 +127,4 @@ def set_rng(state: RngState) -> None:
     torch.set_rng_state(state.cpu)
     for index, cuda_state in state.cuda.items():
         torch.cuda.set_rng_state(cuda_state, index)
+    set_streams(state.split)
