@@ -27,10 +27,11 @@ from shardfn.functional import FunctionalModel, functional
 from shardfn.mesh import Mesh
 from shardfn.primitives import _comm, collectives
 from shardfn.primitives._comm import resolve
-from shardfn.transforms.pipeline._p2p import Declared, Messenger
+from shardfn.transforms.pipeline._p2p import Messenger
 from shardfn.transforms.pipeline.inference import run_forward
 from shardfn.transforms.pipeline.runtime import StepPlan, StepReport, run_step, settle_and_raise
 from shardfn.transforms.pipeline.schedules import SCHEDULES, Schedule, make_schedule
+from shardfn.transforms.pipeline.shapes import ShapeCache, parse_shapes, signature
 from shardfn.transforms.pipeline.simulate import validate
 from shardfn.transforms.pipeline.stage import (
     Stage,
@@ -57,6 +58,8 @@ class PipelineModel:
         dp_axis: the axis gradients and loss are averaged over after each step, or None.
         stage_models: this rank's stage index -> its ``stage_transform``-ed model
             (empty without a ``stage_transform``).
+        infer_shapes: infer the boundary shapes once per batch signature (``shapes=None``).
+        shape_cache: the inferred shapes (:class:`~.shapes.ShapeCache`).
     """
 
     mesh: Mesh
@@ -64,6 +67,8 @@ class PipelineModel:
     plan: StepPlan
     dp_axis: str | None
     stage_models: Mapping[int, Any]
+    infer_shapes: bool = False
+    shape_cache: ShapeCache = dataclasses.field(default_factory=ShapeCache, repr=False)
 
     @property
     def schedule(self) -> Schedule:
@@ -94,6 +99,20 @@ class PipelineModel:
     def layout(self) -> dict[str, int]:
         """Every leaf of the full tree -> the pp axis index that holds it (for checkpoints)."""
         return self.plan.stages.layout()
+
+    @property
+    def specs(self) -> dict[str, Any]:
+        """This rank's leaves -> their layout over the mesh (for ``sf.checkpoint`` and
+        ``sf.gather``): the stage model's spec under a ``stage_transform``, else ``P()``
+        (whole on this pp rank, the same on every rank of the other axes).
+
+        Example:
+            >>> sf.checkpoint.save(path, {"params": params}, mesh, {"params": pp})
+        """
+        found: dict[str, Any] = {}
+        for model in self.stage_models.values():
+            found.update(model.specs)
+        return {name: found.get(name, spec.P()) for name in self.names}
 
     @property
     def balance(self) -> tuple[int, ...]:
@@ -153,18 +172,25 @@ class PipelineModel:
             return {n: t.detach().requires_grad_(True) if n in trainable else t
                     for n, t in params.items()}
 
-        loss, grads, step_report = run_step(self.plan, prepare, inputs, targets)
+        key = signature(inputs, targets, self.schedule.n_microbatches) \
+            if self.infer_shapes else None
+        loss, grads, step_report = run_step(self.plan, prepare, inputs, targets,
+                                            self.shape_cache.get(key))
+        if self.shape_cache.get(key) is None:
+            self.shape_cache.put(key, step_report.shapes)
         if self.dp_axis is not None and self.stage_models:  # the transform reduced them
             loss = collectives.pmean(loss, self.dp_axis, mesh=self.mesh)
         elif self.dp_axis is not None:
             loss, grads = collectives.pmean((loss, grads), self.dp_axis, mesh=self.mesh)
         return (loss, grads, step_report) if report else (loss, grads)
 
-    def apply(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
+    def apply(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor) -> Any:
         """Inference: the model's output for ``inputs``, on every pp rank (no graph).
 
         The batch runs through the stages in ``microbatches`` pieces; the last
-        stage sends its outputs to every pp rank.
+        stage sends its outputs to every pp rank. The output is what the last stage
+        returns: a tensor, or a tuple/list of tensors (each concatenated over the
+        micro-batches on dim 0).
         """
         _refuse_transforms("apply")
 
@@ -173,7 +199,12 @@ class PipelineModel:
             self._check_batch(inputs, None)
             return params
 
-        return run_forward(self.plan, prepare, inputs)
+        key = signature(inputs, None, self.schedule.n_microbatches) if self.infer_shapes \
+            else None
+        out, shapes = run_forward(self.plan, prepare, inputs, self.shape_cache.get(key))
+        if self.shape_cache.get(key) is None:
+            self.shape_cache.put(key, shapes)
+        return out
 
     def gather(self, params: Mapping[str, torch.Tensor]) -> Params:
         """The full tree (every stage's leaves) on every pp rank, in full-tree order.
@@ -266,32 +297,6 @@ def _shape_text(value: Any) -> str:
     return type(value).__name__
 
 
-def _declared(shapes: Any, n_boundaries: int) -> tuple[Declared, ...] | None:
-    """``shapes=``: None, one shape for every boundary, or one per boundary."""
-    if shapes is None:
-        return None
-
-    def one(entry: Any) -> Declared:
-        if hasattr(entry, "shape") and hasattr(entry, "dtype"):
-            return Declared(tuple(int(d) for d in entry.shape), entry.dtype)
-        if isinstance(entry, (tuple, list, torch.Size)) and all(
-                isinstance(d, int) and not isinstance(d, bool) for d in entry):
-            return Declared(tuple(entry), torch.get_default_dtype())
-        raise TypeError(f"shapes= entries are shapes (tuples of ints) or (shape, dtype) "
-                        f"objects such as sf.ShapeDtype, got {entry!r}")
-
-    if isinstance(shapes, (tuple, torch.Size)) and all(isinstance(d, int) for d in shapes):
-        return (one(shapes),) * n_boundaries
-    if hasattr(shapes, "shape") and hasattr(shapes, "dtype"):
-        return (one(shapes),) * n_boundaries
-    entries = list(shapes)
-    if len(entries) != n_boundaries:
-        raise ValueError(f"shapes= has {len(entries)} entries, but the pipeline has "
-                         f"{n_boundaries} stage boundaries (stages - 1): give one output "
-                         "shape per stage except the last, or one shape for all")
-    return tuple(one(e) for e in entries)
-
-
 def _resolve_balance(balance: Any, units: Sequence[nn.Module], n_stages: int,
                      sample: Any, mesh: Mesh) -> tuple[int, ...]:
     if isinstance(balance, str) and balance in ("params", "time"):
@@ -340,10 +345,13 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
         microbatches: micro-batches per step ``m``.
         loss_fn: ``loss_fn(out, targets) -> scalar``, a mean over the micro-batch.
         virtual: stages per rank (interleaved schedules).
-        shapes: declared per-micro-batch output shapes of the stages (one shape or
-            ``(shape, dtype)`` for every boundary, or one per boundary); None:
-            exchanged in message headers. A stage output that differs raises on
-            the sending rank, and every rank stops.
+        shapes: None (default): inferred at the first call for each batch signature
+            (headers first), then declared from the cache; ``"dynamic"``: a shape
+            header before every payload, always; or the declared per-micro-batch
+            output shapes of the stages (one shape, ``(shape, dtype)`` or
+            ``sf.ShapeDtype`` for every boundary, or one per boundary, a tuple of them
+            for a tuple output). A stage output that differs from the declared or
+            inferred shapes raises on the sending rank, and every rank stops.
         remat: a remat policy (``sf.checkpoint_policies.*``): each stage's forward
             runs under ``sf.remat`` (activations recomputed in backward).
         dp_axis: average the gradients and the loss over this axis once per step
@@ -412,9 +420,9 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
                      else _stage_forward(stage_plan, stage, remat)
                      for stage in stage_plan.stages)
     plain = tuple(remat is None and stage.index not in models for stage in stage_plan.stages)
-    step = StepPlan(stage_plan, plan, ax, loss_fn, forwards, _declared(shapes, n_stages - 1),
+    step = StepPlan(stage_plan, plan, ax, loss_fn, forwards, parse_shapes(shapes, n_stages - 1),
                     plain, mesh.device)
-    return PipelineModel(mesh, axis, step, dp_axis, models)
+    return PipelineModel(mesh, axis, step, dp_axis, models, infer_shapes=shapes is None)
 
 
 def _transformed_forward(model: Any):
