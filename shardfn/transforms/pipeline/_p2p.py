@@ -215,11 +215,15 @@ class Messenger:
         payloads = [None if e is None else e.detach().to(self.device).contiguous()
                     for e in entries]
         if declared:
-            extra = [j for j, e in enumerate(payloads) if e is not None and
-                     (j >= len(declared) or declared[j] is None)]
-            if extra:
-                raise ValueError(f"pipeline message {key}: entry {extra[0]} has a tensor, but "
-                                 "its declaration has none")
+            wrong = [j for j, e in enumerate(payloads) if e is not None and
+                     (j >= len(declared) or declared[j] != (tuple(e.shape), e.dtype))]
+            if wrong:
+                j = wrong[0]
+                raise ValueError(f"pipeline message {key}: entry {j} has shape "
+                                 f"{tuple(payloads[j].shape)} {payloads[j].dtype}, but its "
+                                 f"declaration is {declared[j] if j < len(declared) else None} "
+                                 "(from shapes=, or inferred by the first call with this batch: "
+                                 "shapes='dynamic' exchanges shapes with every message)")
             payloads += [None] * (len(declared) - len(payloads))
             payloads = [torch.zeros(d.shape, dtype=d.dtype, device=self.device)
                         if d is not None and payloads[j] is None else payloads[j]

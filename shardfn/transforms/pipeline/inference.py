@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from shardfn.transforms.pipeline._p2p import DeclaredValue, Messenger
+from shardfn.transforms.pipeline._p2p import DeclaredValue, Messenger, declared_of_value
 from shardfn.transforms.pipeline.messages import message_lists
 from shardfn.transforms.pipeline.runtime import (
     StepPlan,
@@ -79,6 +79,7 @@ def run_forward(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]
             action = None
             if plan.rank != holder:
                 outs = {i: step.messenger.recv(("out", 0, i), holder) for i in range(m)}
+            step.seen.update({("out", 0, i): declared_of_value(outs[i]) for i in range(m)})
             step.messenger.finish()
     except BaseException as error:
         where = f"pipeline apply on pp rank {plan.rank}, during {action_text(action)}"

@@ -85,7 +85,7 @@ class StepReport(NamedTuple):
             ``timeline.from_actions(rank, report.events, offset=report.start)``).
         header_first: messages this rank sent or received whose payload waited for a
             shape header (0 once the shapes are declared or inferred).
-        shapes: ``("act", stage, microbatch)`` -> the shapes of every activation this rank
+        shapes: message key -> the shapes of every activation (and the loss) this rank
             sent or received (what a later step with the same batch can declare).
     """
 
@@ -152,8 +152,8 @@ class StepPlan:
         """What message ``key`` declares: from ``shapes=``, else from ``inferred`` (the
         activations' shapes a first step found, by ``("act", stage, microbatch)``)."""
         kind, stage, microbatch = key
-        if kind not in ("act", "grad"):
-            return None
+        if kind not in ("act", "grad"):  # the loss, apply's outputs: inferred only
+            return (inferred or {}).get(key)
         boundary = stage if kind == "act" else stage - 1  # grad of stage s's input
         found = self.declared[boundary] if self.declared is not None else \
             (inferred or {}).get(("act", boundary, microbatch))
@@ -430,6 +430,7 @@ def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
                     step.messenger.send(("loss", 0, 0), r, step.loss)
         else:
             step.loss = step.messenger.recv(("loss", 0, 0), holder)
+        step.seen[("loss", 0, 0)] = declared_of_value(step.loss)
         step.messenger.finish()
     except BaseException as error:  # every rank settles its messages, then raises
         where = (f"pipeline step on pp rank {plan.rank}, during {action_text(action)} of "
