@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,19 +26,19 @@ from shardfn import spec
 from shardfn._torch_internals import get_interpreter_stack
 from shardfn.functional import FunctionalModel, functional
 from shardfn.mesh import Mesh
-from shardfn.primitives import _comm, collectives
+from shardfn.primitives import collectives
 from shardfn.primitives._comm import resolve
 from shardfn.transforms.pipeline._p2p import Messenger
 from shardfn.transforms.pipeline.inference import run_forward
-from shardfn.transforms.pipeline.runtime import StepPlan, StepReport, run_step, settle_and_raise
+from shardfn.transforms.pipeline.runtime import StepPlan, run_step, settle_and_raise
 from shardfn.transforms.pipeline.schedules import SCHEDULES, Schedule, make_schedule
 from shardfn.transforms.pipeline.shapes import ShapeCache, parse_shapes, signature
 from shardfn.transforms.pipeline.simulate import validate
 from shardfn.transforms.pipeline.stage import (
     Stage,
     as_units,
-    check_balance,
     plan_stages,
+    resolve_balance,
     stage_module,
 )
 from shardfn.transforms.shard_params import ShardedModel
@@ -137,8 +138,8 @@ class PipelineModel:
         return {name: leaves[name] for name in self.names}
 
     def value_and_grad(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor,
-                       targets: Any, *, report: bool = False
-                       ) -> tuple[torch.Tensor, Params] | tuple[torch.Tensor, Params, StepReport]:
+                       targets: Any, *, report: bool = False, mutable: bool = False
+                       ) -> tuple[Any, ...]:
         """One pipelined forward and backward over the whole batch.
 
         The batch is split on dim 0 into ``microbatches`` pieces (``torch.tensor_split``:
@@ -152,18 +153,32 @@ class PipelineModel:
             params: this rank's leaves (as from :meth:`init`).
             inputs: the batch's inputs (one tensor).
             targets: the batch's targets (a tensor split like ``inputs``, or None).
-            report: also return the :class:`~.runtime.StepReport` (events, live graphs).
+            report: also return the :class:`~.report.StepReport` (events, live graphs).
+            mutable: also return this rank's buffers (BatchNorm statistics) after the
+                step: each stage's forwards update them micro-batch by micro-batch, as
+                ``sf.functional(nn.Sequential(*units)).apply(..., mutable=True)`` run on
+                the micro-batches in order would (with ``dp_axis``: each replica's own).
 
         Returns:
             ``(loss, grads)``: the whole batch's loss, equal on every pp rank, and the
             gradients of this rank's trainable leaves; with ``dp_axis`` both are
-            averaged over it. With ``report=True`` a third item, the report.
+            averaged over it. With ``mutable=True`` then the buffers
+            (``{**params, **buffers}`` is the next step's tree); with ``report=True``
+            last the report.
+
+        Example:
+            >>> loss, grads, buffers = pp.value_and_grad(params, x, y, mutable=True)
 
         Raises:
             ValueError: wrong leaves, a batch smaller than the micro-batch count, an
                 uneven split with declared shapes, or a stage error (every rank raises).
         """
         _refuse_transforms("value_and_grad")
+        if not isinstance(mutable, bool):
+            raise TypeError(f"value_and_grad: mutable must be True or False, got {mutable!r}")
+        if mutable and not self.plan.mutable_forwards:
+            raise ValueError("pipeline value_and_grad(mutable=True) is not supported with "
+                             "remat= (a recomputed forward would update the buffers again)")
 
         def prepare() -> Params:  # on every rank inside the step: a bad call stops them all
             self._check_params(params)
@@ -175,14 +190,15 @@ class PipelineModel:
         key = signature(inputs, targets, self.schedule.n_microbatches) \
             if self.infer_shapes else None
         loss, grads, step_report = run_step(self.plan, prepare, inputs, targets,
-                                            self.shape_cache.get(key))
+                                            self.shape_cache.get(key), mutable)
         if self.shape_cache.get(key) is None:
             self.shape_cache.put(key, step_report.shapes)
         if self.dp_axis is not None and self.stage_models:  # the transform reduced them
             loss = collectives.pmean(loss, self.dp_axis, mesh=self.mesh)
         elif self.dp_axis is not None:
             loss, grads = collectives.pmean((loss, grads), self.dp_axis, mesh=self.mesh)
-        return (loss, grads, step_report) if report else (loss, grads)
+        found = (loss, grads) + ((step_report.buffers,) if mutable else ())
+        return found + (step_report,) if report else found
 
     def apply(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor) -> Any:
         """Inference: the model's output for ``inputs``, on every pp rank (no graph).
@@ -297,24 +313,6 @@ def _shape_text(value: Any) -> str:
     return type(value).__name__
 
 
-def _resolve_balance(balance: Any, units: Sequence[nn.Module], n_stages: int,
-                     sample: Any, mesh: Mesh) -> tuple[int, ...]:
-    if isinstance(balance, str) and balance in ("params", "time"):
-        try:
-            from shardfn.transforms.pipeline.balance import balance_units
-        except ImportError as error:
-            raise NotImplementedError(f"balance={balance!r} needs shardfn.transforms.pipeline"
-                                      ".balance, not written yet: pass a list of unit counts"
-                                      ) from error
-        by = balance
-        balance = balance_units(list(units), n_stages, by=by, sample=sample)
-        if by == "time" and mesh.size() > 1:  # timings differ by rank: mesh index 0 decides
-            every = resolve(mesh.axis_names, mesh)
-            counts = torch.tensor(list(balance), dtype=torch.int64)
-            balance = [int(c) for c in _comm.broadcast(counts, every, 0).tolist()]
-    return check_balance(balance, len(units), n_stages)
-
-
 def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis: str = "pp",
                     *, balance: Sequence[int] | str, schedule: str = "1f1b",
                     microbatches: int, loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -395,7 +393,7 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
         raise TypeError("pipeline_stages: loss_fn must be callable(out, targets) -> scalar")
     ax = resolve(axis, mesh)
     n_stages = ax.size * virtual
-    counts = _resolve_balance(balance, units, n_stages, sample, mesh)
+    counts = resolve_balance(balance, units, n_stages, sample, mesh)
     plan = make_schedule(schedule, ax.size, microbatches, virtual)
     validate(plan)  # a malformed schedule would hang: refuse it here
     stage_plan = plan_stages(units, counts, ax.size)
@@ -420,12 +418,18 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
                      else _stage_forward(stage_plan, stage, remat)
                      for stage in stage_plan.stages)
     plain = tuple(remat is None and stage.index not in models for stage in stage_plan.stages)
+    mutable_forwards = () if remat is not None else tuple(
+        _transformed_forward(models[stage.index], mutable=True) if stage.index in models
+        else functools.partial(stage_plan.forward_mutable, stage) for stage in stage_plan.stages)
     step = StepPlan(stage_plan, plan, ax, loss_fn, forwards, parse_shapes(shapes, n_stages - 1),
-                    plain, mesh.device)
+                    plain, mesh.device, mutable_forwards)
     return PipelineModel(mesh, axis, step, dp_axis, models, infer_shapes=shapes is None)
 
 
-def _transformed_forward(model: Any):
+def _transformed_forward(model: Any, mutable: bool = False):
+    if mutable:
+        return lambda leaves, x: model.apply({n: leaves[n] for n in model.names}, x,
+                                             mutable=True)
     return lambda leaves, x: model.apply({n: leaves[n] for n in model.names}, x)
 
 

@@ -43,6 +43,7 @@ from shardfn.transforms.pipeline._p2p import (
     declared_of_value,
 )
 from shardfn.transforms.pipeline.messages import message_lists, release_points
+from shardfn.transforms.pipeline.report import Event, StepReport
 from shardfn.transforms.pipeline.schedules import Action, Schedule, stage_rank
 from shardfn.transforms.pipeline.stage import StagePlan
 from shardfn.transforms.pipeline.values import (
@@ -62,41 +63,6 @@ __all__ = ["Event", "StepPlan", "StepReport", "StepState", "action_text", "descr
 _KINDS = ("act", "grad", "loss", "out")
 
 
-class Event(NamedTuple):
-    """One action as it ran: seconds since the step began, and how long it waited to receive."""
-
-    kind: str
-    stage: int
-    microbatch: int
-    start: float
-    end: float
-    wait: float
-
-
-class StepReport(NamedTuple):
-    """What a step did on this rank.
-
-    Attributes:
-        events: every action in the order it ran (for timelines).
-        peak_live: stage -> the most micro-batches whose graph (activations) it kept at once.
-        peak_held: the most graphs this rank (all its stages) kept at once
-            (``simulate(schedule).peak_held[rank]``).
-        start: ``time.perf_counter()`` when the step began (events are relative to it;
-            ``timeline.from_actions(rank, report.events, offset=report.start)``).
-        header_first: messages this rank sent or received whose payload waited for a
-            shape header (0 once the shapes are declared or inferred).
-        shapes: message key -> the shapes of every activation (and the loss) this rank
-            sent or received (what a later step with the same batch can declare).
-    """
-
-    events: tuple[Event, ...]
-    peak_live: dict[int, int]
-    peak_held: int
-    start: float
-    header_first: int = 0
-    shapes: Mapping[tuple, DeclaredValue] | None = None
-
-
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
     """Everything a step needs besides the values: made once by ``pipeline_stages``.
@@ -113,6 +79,8 @@ class StepPlan:
         plain: per stage, whether ``forwards[s]`` is the plain unit chain, whose unit
             outputs split backward can use (see :class:`_Kept`).
         device: where messages are allocated (the mesh's device).
+        mutable_forwards: per stage, ``fn(params, x) -> (out, new_buffers)`` (for
+            ``mutable=True`` steps; empty: not supported).
     """
 
     stages: StagePlan
@@ -123,6 +91,7 @@ class StepPlan:
     declared: tuple[DeclaredValue, ...] | None
     plain: tuple[bool, ...] = ()
     device: torch.device = torch.device("cpu")
+    mutable_forwards: tuple[Callable[[Mapping[str, torch.Tensor], Any], Any], ...] = ()
 
     @property
     def rank(self) -> int:
@@ -193,8 +162,14 @@ class StepState:
     """One rank's state during one step (:func:`run_step`, and ``inference.run_forward``)."""
 
     def __init__(self, plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs, targets,
-                 messenger: Messenger, inferred: Mapping[tuple, DeclaredValue] | None = None):
+                 messenger: Messenger, inferred: Mapping[tuple, DeclaredValue] | None = None,
+                 mutable: bool = False):
         self.plan = plan
+        #: with ``mutable``: this rank's buffers as the forwards so far left them
+        self.buffers = None if not mutable else {
+            n: leaves[n] for st in plan.stages.on_rank(plan.rank) for n in st.names
+            if n not in st.trainable and n in plan.stages.full.buffer_names}
+        self.next_forward = {st.index: 0 for st in plan.stages.on_rank(plan.rank)}
         self.inferred = inferred  # the shapes a first step found (see run_step)
         self.seen: dict[tuple, DeclaredValue] = {}  # the activations this step sent / received
         self.leaves = leaves
@@ -252,7 +227,9 @@ class StepState:
         stage = plan.stages.stages[s]
         units: list | None = None
         with torch.enable_grad():
-            if plan.schedule.split_backward and plan.plain and plan.plain[s]:
+            if self.buffers is not None:  # one piece per stage (no per-unit split backward)
+                out = self._forward_mutable(s, i, x)
+            elif plan.schedule.split_backward and plan.plain and plan.plain[s]:
                 units = []  # a unit output's graph edge, not the tensor: its data may be freed
 
                 def keep(h: Any) -> None:
@@ -282,6 +259,19 @@ class StepState:
         live = sum(1 for (stage, _) in self.kept if stage == s)
         self.peak_live[s] = max(self.peak_live[s], live)
         self.peak_held = max(self.peak_held, len(self.kept))
+
+    def _forward_mutable(self, s: int, i: int, x: Any) -> Any:
+        """The stage's forward with its current buffers, which it then updates: micro-batch
+        ``i`` sees the buffers micro-batches ``0 .. i-1`` left, as one process running the
+        micro-batches in order would."""
+        if i != self.next_forward[s]:
+            raise RuntimeError(f"pipeline mutable step: schedule {self.plan.schedule.name!r} "
+                               f"runs stage {s}'s forward of micro-batch {i} before micro-batch "
+                               f"{self.next_forward[s]}; buffers need them in order")
+        self.next_forward[s] = i + 1
+        out, new = self.plan.mutable_forwards[s]({**self.leaves, **self.buffers}, x)
+        self.buffers.update({n: t.detach() for n, t in new.items() if n in self.buffers})
+        return out
 
     def check_output(self, s: int, i: int, out: Any) -> None:
         """Refuse a stage output that cannot cross a boundary, or that breaks the declared
@@ -394,7 +384,7 @@ def settle_and_raise(step_messenger: Messenger, owed, expected, error: BaseExcep
 
 def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
              inputs: torch.Tensor, targets: Any,
-             inferred: Mapping[tuple, DeclaredValue] | None = None
+             inferred: Mapping[tuple, DeclaredValue] | None = None, mutable: bool = False
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor], StepReport]:
     """Run this rank's actions of ``plan.schedule`` on one batch.
 
@@ -408,6 +398,8 @@ def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
         inferred: the activation shapes a first step found (its ``report.shapes``, the
             same on both sides of every message): they are declared, so no payload waits
             for its header; a stage output that breaks them raises.
+        mutable: thread this rank's buffers through its stages' forwards, micro-batch by
+            micro-batch (``report.buffers``: their values after the step).
 
     Returns:
         ``(loss, grads, report)``: the loss over the whole batch (on every pp rank),
@@ -420,7 +412,7 @@ def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
     action: Action | None = None
     try:
         leaves = prepare()
-        step = StepState(plan, leaves, inputs, targets, messenger, inferred)
+        step = StepState(plan, leaves, inputs, targets, messenger, inferred, mutable)
         for action in plan.schedule.actions[plan.rank]:
             step.run(action)
         holder = stage_rank(plan.n_stages - 1, plan.schedule.n_ranks)
@@ -438,7 +430,8 @@ def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
         settle_and_raise(messenger, owed, expected, error, where)
     grads = {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in step.grads.items()}
     return step.loss, grads, StepReport(tuple(step.events), step.peak_live, step.peak_held,
-                                        step.t0, messenger.header_first, step.seen)
+                                        step.t0, messenger.header_first, step.seen,
+                                        step.buffers)
 
 
 def action_text(action: Action | None) -> str:
