@@ -6,7 +6,8 @@ it can post the payloads: one round trip more per message. Three modes:
 
 * ``shapes=None`` (the default, as ``torch.distributed.pipelining`` infers shapes
   at the first step): the first call for a *batch signature* (inputs' shape and
-  dtype, targets' shape and dtype, micro-batch count) exchanges headers first;
+  dtype, targets' shape and dtype, micro-batch count, autocast state) exchanges
+  headers first;
   the activation shapes it found are cached in the pipeline model
   (:class:`ShapeCache`) and later calls with that signature declare them. A
   later stage output that differs raises on its rank (every rank stops), and the
@@ -98,14 +99,17 @@ def parse_shapes(shapes: Any, n_boundaries: int) -> tuple[DeclaredValue, ...] | 
 
 
 def signature(inputs: Any, targets: Any, microbatches: int) -> tuple | None:
-    """The batch signature shapes are cached under, or None (not tensors: no cache)."""
+    """The batch signature shapes are cached under: the inputs' and targets' shapes and
+    dtypes, the micro-batch count and the autocast state; None (not tensors: no cache)."""
     def of(x: Any) -> tuple | None:
         return (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None
 
     if not isinstance(inputs, torch.Tensor) or not (targets is None
                                                       or isinstance(targets, torch.Tensor)):
         return None
-    return of(inputs), of(targets), microbatches
+    autocast = tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                     if torch.is_autocast_enabled(device))  # it changes activation dtypes
+    return of(inputs), of(targets), microbatches, autocast
 
 
 class ShapeCache:

@@ -125,3 +125,18 @@ def test_parse_shapes():
         parse_shapes([(2, 8), (2, "x")], 2)
     with pytest.raises(ValueError, match="shapes= has 1 entries, but the pipeline has 2"):
         parse_shapes([((2, 8), (2, 8))], 2)
+
+
+def _with_and_without_autocast():
+    pp = pipeline_stages(mlp_units(5), sf.Mesh({"pp": 2}), balance=[3, 2], schedule="1f1b",
+                         microbatches=2, loss_fn=mse)
+    params, x = pp.init(0), batch(4)[0]
+    plain = pp.apply(params, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 activations: its own signature
+        low = pp.apply(params, x)
+    return plain.dtype, low.dtype, len(pp.shape_cache)
+
+
+def test_autocast_is_part_of_the_signature(worlds):
+    for plain, low, cached in worlds(2).run(_with_and_without_autocast):
+        assert (plain, low, cached) == (torch.float32, torch.bfloat16, 2)
