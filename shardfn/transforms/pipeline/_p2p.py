@@ -1,10 +1,14 @@
 """Point-to-point messages between pp ranks: a header, then the tensor, matched by tag.
 
 Every message of a pipeline step (an activation, an output gradient, the loss)
-travels as a small int64 *header* (status, dtype, shape) followed by its
-payload. The header lets the receiver allocate the payload when shapes were
-not declared, and it carries the *status*: ``OK``, ``NONE`` (no tensor, e.g.
-the gradient of an integer activation) or ``ERROR`` (the sender failed). A
+travels as a small int32 *header* (status; one tensor, a tuple or a list; the
+first entry's dtype and shape, or none) followed by its payloads, one per
+tensor (a stage may return a tuple of up to :data:`MAX_ENTRIES` tensors and
+Nones; the other entries' dtypes and shapes go in a second header, sent only for
+a tuple of more than one entry).
+The header lets the receiver allocate the payloads when shapes were not
+declared, and it carries the *status*: ``OK``, ``NONE`` (no tensor, e.g. the
+gradient of an integer activation) or ``ERROR`` (the sender failed). A
 failed rank still sends every message it owes, as an error header, and still
 receives every message it expects: so its peers stop with an error instead of
 waiting for ever, and no message is left unmatched in the persistent process
@@ -17,15 +21,15 @@ error), so both sides post the same messages.
 An error header is followed by the error's text (UTF-8 bytes, its length in the
 header), so every rank's error says what went wrong first and where.
 
-Tags: message ``k`` of a call uses tags ``base + 3k`` (header), ``base + 3k + 1``
-(payload) and ``base + 3k + 2`` (error text), from :data:`PIPELINE` (a block after
-``shard_params``' tags).
+Tags: message ``k`` of a call uses tags ``base + 10k`` (header), ``base + 10k + 1``
+(error text) and ``base + 10k + 2 + j`` (payload of entry ``j``), from
+:data:`PIPELINE` (a block after ``shard_params``' tags).
 Sends are non-blocking (``batch_isend_irecv``) and waited by :meth:`Messenger.finish`;
 receives block. Nothing here is differentiable: the runtime detaches first.
 
 Example:
     >>> messenger = Messenger(ax, tag_of={("act", 0, 0): 0}.__getitem__)
-    >>> messenger.send(("act", 0, 0), dst=1, tensor=x)      # on pp rank 0
+    >>> messenger.send(("act", 0, 0), dst=1, value=x)       # on pp rank 0
     >>> x = messenger.recv(("act", 0, 0), src=0)             # on pp rank 1
     >>> messenger.finish()
 """
@@ -33,7 +37,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -42,14 +46,20 @@ from shardfn.primitives import stats
 from shardfn.primitives._comm import Axis
 from shardfn.primitives.tags import UNITS, TagBlock
 
-__all__ = ["ERROR", "NONE", "OK", "PIPELINE", "Declared", "Messenger", "PeerFailed"]
+__all__ = ["ERROR", "MAX_ENTRIES", "NONE", "OK", "PIPELINE", "Declared", "DeclaredValue",
+           "Messenger", "PeerFailed", "declared_entries", "declared_of_value", "entries_of"]
 
 #: the pipeline's message tags (right after shard_params' block)
 PIPELINE = TagBlock("pipeline_stages messages", UNITS.start + UNITS.size, 1 << 22)
 
 OK, ERROR, NONE = 0, 1, 2
+_TENSOR, _TUPLE, _LIST = 0, 1, 2  # what a message's value is: one tensor, a tuple, a list
+MAX_ENTRIES = 8  # tensors in one message (a stage's tuple output)
 _MAX_DIMS = 8
-_HEADER_LEN = 3 + _MAX_DIMS
+_ENTRY = 3 + _MAX_DIMS  # per entry: present, dtype, ndim, dims
+_HEADER_LEN = 4 + _ENTRY  # status, container, entries, text length, entry 0
+_FULL_LEN = 4 + MAX_ENTRIES * _ENTRY  # with the second header: entries 1, 2, ...
+_TAGS_PER_MESSAGE = 3 + MAX_ENTRIES  # header, error text, second header, one per payload
 _MAX_TEXT = 4096  # bytes of an error's text sent with its header
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
@@ -65,29 +75,84 @@ class Declared(NamedTuple):
     dtype: torch.dtype
 
 
+#: what a message may declare: one tensor, or per entry of a tuple (None: no payload there)
+DeclaredValue = Declared | tuple[Declared | None, ...]
+
+
 class PeerFailed(RuntimeError):
     """A peer sent an error header: it failed during this call (its own error says why)."""
 
 
-def _header(status: int, tensor: torch.Tensor | None) -> torch.Tensor:
-    header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-    header[0] = status
-    if tensor is not None:
+def entries_of(value: Any) -> tuple[int, list[torch.Tensor | None]]:
+    """``(container, entries)`` of a message value: one tensor (``_TENSOR``), or a tuple /
+    list of tensors and Nones (``_TUPLE`` / ``_LIST``).
+
+    Raises:
+        TypeError: anything else (a dict, a nested tuple, a number).
+        ValueError: more than ``MAX_ENTRIES`` entries.
+    """
+    if isinstance(value, torch.Tensor):
+        return _TENSOR, [value]
+    if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
+        bad = [j for j, e in enumerate(value) if e is not None and not isinstance(e, torch.Tensor)]
+        if bad:
+            raise TypeError(f"pipeline messages carry a tensor or a tuple/list of tensors (and "
+                            f"None); entry {bad[0]} is a {type(value[bad[0]]).__name__}")
+        if len(value) > MAX_ENTRIES:
+            raise ValueError(f"pipeline messages carry at most {MAX_ENTRIES} tensors, got a "
+                             f"{type(value).__name__} of {len(value)}")
+        return (_TUPLE if isinstance(value, tuple) else _LIST), list(value)
+    raise TypeError("pipeline messages carry a tensor or a tuple/list of tensors (and None), "
+                    f"got a {type(value).__name__}")
+
+
+def declared_of_value(value: Any) -> DeclaredValue:
+    """The :data:`DeclaredValue` that ``value`` (a tensor or tuple/list of them) meets."""
+    container, entries = entries_of(value)
+    found = tuple(None if e is None else Declared(tuple(e.shape), e.dtype) for e in entries)
+    return found[0] if container == _TENSOR else found
+
+
+def declared_entries(declared: DeclaredValue | None) -> list[Declared | None]:
+    """The per-entry payloads ``declared`` announces (one for a single tensor)."""
+    if declared is None:
+        return []
+    return [declared] if isinstance(declared, Declared) else list(declared)
+
+
+def _header(status: int, container: int, entries: list[torch.Tensor | None]) -> torch.Tensor:
+    header = torch.zeros(_FULL_LEN, dtype=torch.int32)
+    header[0], header[1], header[2] = status, container, len(entries)
+    for j, tensor in enumerate(entries):
+        if tensor is None:
+            continue
         if tensor.dim() > _MAX_DIMS:
             raise ValueError(f"pipeline messages carry tensors of at most {_MAX_DIMS} dims, "
-                             f"got shape {tuple(tensor.shape)}")
+                             f"got shape {tuple(tensor.shape)} (entry {j})")
         if tensor.dtype not in _DTYPES:
-            raise TypeError(f"pipeline messages cannot carry dtype {tensor.dtype}")
-        header[1] = _DTYPES.index(tensor.dtype)
-        header[2] = tensor.dim()
-        header[3:3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+            raise TypeError(f"pipeline messages cannot carry dtype {tensor.dtype} (entry {j})")
+        at = 4 + j * _ENTRY
+        header[at], header[at + 1], header[at + 2] = 1, _DTYPES.index(tensor.dtype), tensor.dim()
+        header[at + 3:at + 3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int32)
     return header
 
 
-def _decode(header: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
+def _decode(header: torch.Tensor) -> tuple[int, int, list[Declared | None], int]:
+    """``(status, container, entries, text length)`` of a header."""
     values = header.tolist()
-    ndim = values[2]
-    return values[0], tuple(values[3:3 + ndim]), _DTYPES[values[1]]
+    entries: list[Declared | None] = []
+    for j in range(values[2]):
+        at = 4 + j * _ENTRY
+        present, dtype, ndim = values[at:at + 3]
+        entries.append(Declared(tuple(values[at + 3:at + 3 + ndim]), _DTYPES[dtype])
+                       if present else None)
+    return values[0], values[1], entries, values[3]
+
+
+def _rebuild(container: int, entries: list[torch.Tensor | None]) -> Any:
+    if container == _TENSOR:
+        return entries[0]
+    return tuple(entries) if container == _TUPLE else list(entries)
 
 
 class Messenger:
@@ -96,12 +161,17 @@ class Messenger:
     Args:
         ax: the resolved pp axis (peers are axis indices).
         tag_of: message key -> its number ``k`` in this call (unique per pair of ranks).
-        declared: message key -> :class:`Declared` when its payload is declared, else None.
+        declared: message key -> :data:`DeclaredValue` when its payloads are declared
+            (both sides know them), else None (the receiver reads them off the header first).
         device: where messages live (the mesh's device: CUDA for NCCL, CPU for gloo).
+
+    Attributes:
+        header_first: how many messages this rank sent or received whose payload had to
+            wait for the header (shapes not declared): one round trip more each.
     """
 
     def __init__(self, ax: Axis, tag_of: Callable[[Key], int],
-                 declared: Callable[[Key], Declared | None] = lambda key: None,
+                 declared: Callable[[Key], DeclaredValue | None] = lambda key: None,
                  device: torch.device | str = "cpu"):
         self.ax = ax
         self.device = torch.device(device)
@@ -111,40 +181,68 @@ class Messenger:
         self.pending: dict[tuple[Key, int], tuple[list, list]] = {}
         self.sent: set[tuple[Key, int]] = set()
         self.received: set[tuple[Key, int]] = set()
+        self.header_first = 0
 
-    def _tags(self, key: Key) -> tuple[int, int, int]:
+    def _tags(self, key: Key) -> tuple[int, int, int, list[int]]:
+        """``(header, text, second header, payload tags per entry)`` of message ``key``."""
         k = self.tag_of(key)
-        if not 0 <= 3 * k + 2 < PIPELINE.size:
+        if not 0 <= _TAGS_PER_MESSAGE * (k + 1) <= PIPELINE.size:
             raise ValueError(f"pipeline message {key} needs tag number {k}, beyond the "
-                             f"{PIPELINE.size // 3} the pipeline's tag block holds; use fewer "
-                             "stages or micro-batches")
-        return tuple(PIPELINE.start + 3 * k + j for j in range(3))
+                             f"{PIPELINE.size // _TAGS_PER_MESSAGE} the pipeline's tag block "
+                             "holds; use fewer stages or micro-batches")
+        base = PIPELINE.start + _TAGS_PER_MESSAGE * k
+        return base, base + 1, base + 2, [base + 3 + j for j in range(MAX_ENTRIES)]
 
     def _post(self, ops: list, description: str) -> list:
         with stats.collective_scope(self.ax.describe(description)):
             return [w for w in dist.batch_isend_irecv(ops) if w is not None]
 
-    def send(self, key: Key, dst: int, tensor: torch.Tensor | None, status: int = OK,
-             error: str = "") -> None:
-        """Post ``tensor`` (or a header of ``status`` alone) to axis index ``dst``; not waited.
+    def send(self, key: Key, dst: int, value: Any, status: int = OK, error: str = "") -> None:
+        """Post ``value`` (a tensor or a tuple/list of tensors and Nones; or a header of
+        ``status`` alone) to axis index ``dst``; not waited.
 
-        With a declared payload the declared shape is always sent (zeros when
-        ``tensor`` is None); the caller has checked that ``tensor`` matches it.
+        With declared payloads every declared entry is sent (zeros where ``value`` has
+        none, or after an error), so both sides post the same messages.
         With ``status=ERROR`` the text ``error`` follows.
+
+        Raises:
+            ValueError: ``value`` has a payload where the declaration has none (checked
+                before anything is posted).
         """
-        declared = self.declared(key)
-        header_tag, payload_tag, text_tag = self._tags(key)
-        payload = None if status != OK else tensor.detach().to(self.device).contiguous()
-        if declared is not None and payload is None:
-            payload = torch.zeros(declared.shape, dtype=declared.dtype, device=self.device)
-        header = _header(status, tensor if status == OK else None)
-        header = header.to(self.device)
+        declared = declared_entries(self.declared(key))
+        header_tag, text_tag, second_tag, payload_tags = self._tags(key)
+        container, entries = entries_of(value) if status == OK else (_TENSOR, [])
+        payloads = [None if e is None else e.detach().to(self.device).contiguous()
+                    for e in entries]
+        if declared:
+            wrong = [j for j, e in enumerate(payloads) if e is not None and
+                     (j >= len(declared) or declared[j] != (tuple(e.shape), e.dtype))]
+            if wrong:
+                j = wrong[0]
+                raise ValueError(f"pipeline message {key}: entry {j} has shape "
+                                 f"{tuple(payloads[j].shape)} {payloads[j].dtype}, but its "
+                                 f"declaration is {declared[j] if j < len(declared) else None} "
+                                 "(from shapes=, or inferred by the first call with this batch: "
+                                 "shapes='dynamic' exchanges shapes with every message)")
+            payloads += [None] * (len(declared) - len(payloads))
+            payloads = [torch.zeros(d.shape, dtype=d.dtype, device=self.device)
+                        if d is not None and payloads[j] is None else payloads[j]
+                        for j, d in enumerate(declared)]
+        else:
+            self.header_first += int(any(e is not None for e in payloads))
+        full = _header(status, container, entries)
+        header = full[:_HEADER_LEN].clone().to(self.device)
         ops = [dist.P2POp(dist.isend, header, group=self.ax.group, group_peer=dst,
                           tag=header_tag)]
-        if payload is not None:
-            stats.record(self.ax.key, "pipeline_send", payload.numel() * payload.element_size())
-            ops.append(dist.P2POp(dist.isend, payload, group=self.ax.group, group_peer=dst,
-                                  tag=payload_tag))
+        if len(declared) > 1 if declared else status == OK and len(entries) > 1:
+            ops.append(dist.P2POp(dist.isend, full[_HEADER_LEN:].clone().to(self.device),
+                                  group=self.ax.group, group_peer=dst, tag=second_tag))
+        for payload, tag in zip(payloads, payload_tags, strict=False):
+            if payload is not None:
+                stats.record(self.ax.key, "pipeline_send",
+                             payload.numel() * payload.element_size())
+                ops.append(dist.P2POp(dist.isend, payload, group=self.ax.group,
+                                      group_peer=dst, tag=tag))
         if status == ERROR:
             text = torch.frombuffer(bytearray(error.encode()[:_MAX_TEXT] or b" "),
                                     dtype=torch.uint8).to(self.device)
@@ -155,44 +253,61 @@ class Messenger:
         self.pending[(key, dst)] = (works, [op.tensor for op in ops])
         self.sent.add((key, dst))
 
-    def recv(self, key: Key, src: int) -> torch.Tensor | None:
-        """Receive message ``key`` from axis index ``src``; None for a ``NONE`` header.
+    def recv(self, key: Key, src: int) -> Any:
+        """Receive message ``key`` from axis index ``src``: a tensor, a tuple/list of tensors
+        (and Nones) as sent, or None for a ``NONE`` header.
 
         Raises:
             PeerFailed: the sender failed (it sent an error header).
         """
-        declared = self.declared(key)
-        header_tag, payload_tag, text_tag = self._tags(key)
-        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+        declared = declared_entries(self.declared(key))
+        header_tag, text_tag, second_tag, payload_tags = self._tags(key)
+        header = torch.empty(_HEADER_LEN, dtype=torch.int32, device=self.device)
+        second = torch.zeros(_FULL_LEN - _HEADER_LEN, dtype=torch.int32, device=self.device)
         ops = [dist.P2POp(dist.irecv, header, group=self.ax.group, group_peer=src,
                           tag=header_tag)]
-        payload = None
-        if declared is not None:
-            payload = torch.empty(declared.shape, dtype=declared.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, payload, group=self.ax.group, group_peer=src,
-                                  tag=payload_tag))
+        if len(declared) > 1:
+            ops.append(dist.P2POp(dist.irecv, second, group=self.ax.group, group_peer=src,
+                                  tag=second_tag))
+        payloads: list[torch.Tensor | None] = [
+            None if d is None else torch.empty(d.shape, dtype=d.dtype, device=self.device)
+            for d in declared]
+        ops += [dist.P2POp(dist.irecv, payload, group=self.ax.group, group_peer=src, tag=tag)
+                for payload, tag in zip(payloads, payload_tags, strict=False)
+                if payload is not None]
         description = f"pipeline recv {key} from pp {src}"
-        for work in self._post(ops, description):
-            with stats.collective_scope(self.ax.describe(description)):
-                work.wait()
-        status, shape, dtype = _decode(header)
-        if declared is None and status == OK:
-            payload = torch.empty(shape, dtype=dtype, device=self.device)
-            self._receive(payload, src, payload_tag, description)
+        self._wait_all(ops, description)
+        if not declared and int(header[0]) == OK and int(header[2]) > 1:
+            self._wait_all([dist.P2POp(dist.irecv, second, group=self.ax.group,
+                                       group_peer=src, tag=second_tag)], description)
+        status, container, found, text_len = _decode(torch.cat([header.cpu(), second.cpu()]))
+        if not declared and status == OK and any(d is not None for d in found):
+            self.header_first += 1
+            payloads = [None if d is None else torch.empty(d.shape, dtype=d.dtype,
+                                                           device=self.device) for d in found]
+            self._wait_all([dist.P2POp(dist.irecv, payload, group=self.ax.group,
+                                       group_peer=src, tag=tag)
+                            for payload, tag in zip(payloads, payload_tags, strict=False)
+                            if payload is not None], description)
         text = ""
         if status == ERROR:
-            raw = torch.empty(int(header[3]), dtype=torch.uint8, device=self.device)
-            self._receive(raw, src, text_tag, description)
+            raw = torch.empty(text_len, dtype=torch.uint8, device=self.device)
+            self._wait_all([dist.P2POp(dist.irecv, raw, group=self.ax.group, group_peer=src,
+                                       tag=text_tag)], description)
             text = bytes(raw.cpu().tolist()).decode(errors="replace").strip()
         self.received.add((key, src))
         if status == ERROR:
             raise PeerFailed(f"pp rank {src} failed during this pipeline call (message {key}): "
                              f"{text}")
-        return payload if status == OK else None
+        if status != OK:
+            return None
+        entries = [None if d is None else payloads[j] for j, d in enumerate(found)]
+        return _rebuild(container, entries)
 
-    def _receive(self, buffer: torch.Tensor, src: int, tag: int, description: str) -> None:
-        op = dist.P2POp(dist.irecv, buffer, group=self.ax.group, group_peer=src, tag=tag)
-        for work in self._post([op], description):
+    def _wait_all(self, ops: list, description: str) -> None:
+        if not ops:
+            return
+        for work in self._post(ops, description):
             with stats.collective_scope(self.ax.describe(description)):
                 work.wait()
 

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,18 +26,19 @@ from shardfn import spec
 from shardfn._torch_internals import get_interpreter_stack
 from shardfn.functional import FunctionalModel, functional
 from shardfn.mesh import Mesh
-from shardfn.primitives import _comm, collectives
+from shardfn.primitives import collectives
 from shardfn.primitives._comm import resolve
-from shardfn.transforms.pipeline._p2p import Declared, Messenger
+from shardfn.transforms.pipeline._p2p import Messenger
 from shardfn.transforms.pipeline.inference import run_forward
-from shardfn.transforms.pipeline.runtime import StepPlan, StepReport, run_step, settle_and_raise
+from shardfn.transforms.pipeline.runtime import StepPlan, run_step, settle_and_raise
 from shardfn.transforms.pipeline.schedules import SCHEDULES, Schedule, make_schedule
+from shardfn.transforms.pipeline.shapes import ShapeCache, parse_shapes, signature
 from shardfn.transforms.pipeline.simulate import validate
 from shardfn.transforms.pipeline.stage import (
     Stage,
     as_units,
-    check_balance,
     plan_stages,
+    resolve_balance,
     stage_module,
 )
 from shardfn.transforms.shard_params import ShardedModel
@@ -57,6 +59,8 @@ class PipelineModel:
         dp_axis: the axis gradients and loss are averaged over after each step, or None.
         stage_models: this rank's stage index -> its ``stage_transform``-ed model
             (empty without a ``stage_transform``).
+        infer_shapes: infer the boundary shapes once per batch signature (``shapes=None``).
+        shape_cache: the inferred shapes (:class:`~.shapes.ShapeCache`).
     """
 
     mesh: Mesh
@@ -64,6 +68,8 @@ class PipelineModel:
     plan: StepPlan
     dp_axis: str | None
     stage_models: Mapping[int, Any]
+    infer_shapes: bool = False
+    shape_cache: ShapeCache = dataclasses.field(default_factory=ShapeCache, repr=False)
 
     @property
     def schedule(self) -> Schedule:
@@ -96,6 +102,20 @@ class PipelineModel:
         return self.plan.stages.layout()
 
     @property
+    def specs(self) -> dict[str, Any]:
+        """This rank's leaves -> their layout over the mesh (for ``sf.checkpoint`` and
+        ``sf.gather``): the stage model's spec under a ``stage_transform``, else ``P()``
+        (whole on this pp rank, the same on every rank of the other axes).
+
+        Example:
+            >>> sf.checkpoint.save(path, {"params": params}, mesh, {"params": pp})
+        """
+        found: dict[str, Any] = {}
+        for model in self.stage_models.values():
+            found.update(model.specs)
+        return {name: found.get(name, spec.P()) for name in self.names}
+
+    @property
     def balance(self) -> tuple[int, ...]:
         """Units per stage."""
         return tuple(len(stage.units) for stage in self.plan.stages.stages)
@@ -118,8 +138,8 @@ class PipelineModel:
         return {name: leaves[name] for name in self.names}
 
     def value_and_grad(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor,
-                       targets: Any, *, report: bool = False
-                       ) -> tuple[torch.Tensor, Params] | tuple[torch.Tensor, Params, StepReport]:
+                       targets: Any, *, report: bool = False, mutable: bool = False
+                       ) -> tuple[Any, ...]:
         """One pipelined forward and backward over the whole batch.
 
         The batch is split on dim 0 into ``microbatches`` pieces (``torch.tensor_split``:
@@ -133,18 +153,32 @@ class PipelineModel:
             params: this rank's leaves (as from :meth:`init`).
             inputs: the batch's inputs (one tensor).
             targets: the batch's targets (a tensor split like ``inputs``, or None).
-            report: also return the :class:`~.runtime.StepReport` (events, live graphs).
+            report: also return the :class:`~.report.StepReport` (events, live graphs).
+            mutable: also return this rank's buffers (BatchNorm statistics) after the
+                step: each stage's forwards update them micro-batch by micro-batch, as
+                ``sf.functional(nn.Sequential(*units)).apply(..., mutable=True)`` run on
+                the micro-batches in order would (with ``dp_axis``: each replica's own).
 
         Returns:
             ``(loss, grads)``: the whole batch's loss, equal on every pp rank, and the
             gradients of this rank's trainable leaves; with ``dp_axis`` both are
-            averaged over it. With ``report=True`` a third item, the report.
+            averaged over it. With ``mutable=True`` then the buffers
+            (``{**params, **buffers}`` is the next step's tree); with ``report=True``
+            last the report.
+
+        Example:
+            >>> loss, grads, buffers = pp.value_and_grad(params, x, y, mutable=True)
 
         Raises:
             ValueError: wrong leaves, a batch smaller than the micro-batch count, an
                 uneven split with declared shapes, or a stage error (every rank raises).
         """
         _refuse_transforms("value_and_grad")
+        if not isinstance(mutable, bool):
+            raise TypeError(f"value_and_grad: mutable must be True or False, got {mutable!r}")
+        if mutable and not self.plan.mutable_forwards:
+            raise ValueError("pipeline value_and_grad(mutable=True) is not supported with "
+                             "remat= (a recomputed forward would update the buffers again)")
 
         def prepare() -> Params:  # on every rank inside the step: a bad call stops them all
             self._check_params(params)
@@ -153,18 +187,26 @@ class PipelineModel:
             return {n: t.detach().requires_grad_(True) if n in trainable else t
                     for n, t in params.items()}
 
-        loss, grads, step_report = run_step(self.plan, prepare, inputs, targets)
+        key = signature(inputs, targets, self.schedule.n_microbatches) \
+            if self.infer_shapes else None
+        loss, grads, step_report = run_step(self.plan, prepare, inputs, targets,
+                                            self.shape_cache.get(key), mutable)
+        if self.shape_cache.get(key) is None:
+            self.shape_cache.put(key, step_report.shapes)
         if self.dp_axis is not None and self.stage_models:  # the transform reduced them
             loss = collectives.pmean(loss, self.dp_axis, mesh=self.mesh)
         elif self.dp_axis is not None:
             loss, grads = collectives.pmean((loss, grads), self.dp_axis, mesh=self.mesh)
-        return (loss, grads, step_report) if report else (loss, grads)
+        found = (loss, grads) + ((step_report.buffers,) if mutable else ())
+        return found + (step_report,) if report else found
 
-    def apply(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
+    def apply(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor) -> Any:
         """Inference: the model's output for ``inputs``, on every pp rank (no graph).
 
         The batch runs through the stages in ``microbatches`` pieces; the last
-        stage sends its outputs to every pp rank.
+        stage sends its outputs to every pp rank. The output is what the last stage
+        returns: a tensor, or a tuple/list of tensors (each concatenated over the
+        micro-batches on dim 0).
         """
         _refuse_transforms("apply")
 
@@ -173,7 +215,12 @@ class PipelineModel:
             self._check_batch(inputs, None)
             return params
 
-        return run_forward(self.plan, prepare, inputs)
+        key = signature(inputs, None, self.schedule.n_microbatches) if self.infer_shapes \
+            else None
+        out, shapes = run_forward(self.plan, prepare, inputs, self.shape_cache.get(key))
+        if self.shape_cache.get(key) is None:
+            self.shape_cache.put(key, shapes)
+        return out
 
     def gather(self, params: Mapping[str, torch.Tensor]) -> Params:
         """The full tree (every stage's leaves) on every pp rank, in full-tree order.
@@ -266,50 +313,6 @@ def _shape_text(value: Any) -> str:
     return type(value).__name__
 
 
-def _declared(shapes: Any, n_boundaries: int) -> tuple[Declared, ...] | None:
-    """``shapes=``: None, one shape for every boundary, or one per boundary."""
-    if shapes is None:
-        return None
-
-    def one(entry: Any) -> Declared:
-        if hasattr(entry, "shape") and hasattr(entry, "dtype"):
-            return Declared(tuple(int(d) for d in entry.shape), entry.dtype)
-        if isinstance(entry, (tuple, list, torch.Size)) and all(
-                isinstance(d, int) and not isinstance(d, bool) for d in entry):
-            return Declared(tuple(entry), torch.get_default_dtype())
-        raise TypeError(f"shapes= entries are shapes (tuples of ints) or (shape, dtype) "
-                        f"objects such as sf.ShapeDtype, got {entry!r}")
-
-    if isinstance(shapes, (tuple, torch.Size)) and all(isinstance(d, int) for d in shapes):
-        return (one(shapes),) * n_boundaries
-    if hasattr(shapes, "shape") and hasattr(shapes, "dtype"):
-        return (one(shapes),) * n_boundaries
-    entries = list(shapes)
-    if len(entries) != n_boundaries:
-        raise ValueError(f"shapes= has {len(entries)} entries, but the pipeline has "
-                         f"{n_boundaries} stage boundaries (stages - 1): give one output "
-                         "shape per stage except the last, or one shape for all")
-    return tuple(one(e) for e in entries)
-
-
-def _resolve_balance(balance: Any, units: Sequence[nn.Module], n_stages: int,
-                     sample: Any, mesh: Mesh) -> tuple[int, ...]:
-    if isinstance(balance, str) and balance in ("params", "time"):
-        try:
-            from shardfn.transforms.pipeline.balance import balance_units
-        except ImportError as error:
-            raise NotImplementedError(f"balance={balance!r} needs shardfn.transforms.pipeline"
-                                      ".balance, not written yet: pass a list of unit counts"
-                                      ) from error
-        by = balance
-        balance = balance_units(list(units), n_stages, by=by, sample=sample)
-        if by == "time" and mesh.size() > 1:  # timings differ by rank: mesh index 0 decides
-            every = resolve(mesh.axis_names, mesh)
-            counts = torch.tensor(list(balance), dtype=torch.int64)
-            balance = [int(c) for c in _comm.broadcast(counts, every, 0).tolist()]
-    return check_balance(balance, len(units), n_stages)
-
-
 def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis: str = "pp",
                     *, balance: Sequence[int] | str, schedule: str = "1f1b",
                     microbatches: int, loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -340,10 +343,13 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
         microbatches: micro-batches per step ``m``.
         loss_fn: ``loss_fn(out, targets) -> scalar``, a mean over the micro-batch.
         virtual: stages per rank (interleaved schedules).
-        shapes: declared per-micro-batch output shapes of the stages (one shape or
-            ``(shape, dtype)`` for every boundary, or one per boundary); None:
-            exchanged in message headers. A stage output that differs raises on
-            the sending rank, and every rank stops.
+        shapes: None (default): inferred at the first call for each batch signature
+            (headers first), then declared from the cache; ``"dynamic"``: a shape
+            header before every payload, always; or the declared per-micro-batch
+            output shapes of the stages (one shape, ``(shape, dtype)`` or
+            ``sf.ShapeDtype`` for every boundary, or one per boundary, a tuple of them
+            for a tuple output). A stage output that differs from the declared or
+            inferred shapes raises on the sending rank, and every rank stops.
         remat: a remat policy (``sf.checkpoint_policies.*``): each stage's forward
             runs under ``sf.remat`` (activations recomputed in backward).
         dp_axis: average the gradients and the loss over this axis once per step
@@ -387,7 +393,7 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
         raise TypeError("pipeline_stages: loss_fn must be callable(out, targets) -> scalar")
     ax = resolve(axis, mesh)
     n_stages = ax.size * virtual
-    counts = _resolve_balance(balance, units, n_stages, sample, mesh)
+    counts = resolve_balance(balance, units, n_stages, sample, mesh)
     plan = make_schedule(schedule, ax.size, microbatches, virtual)
     validate(plan)  # a malformed schedule would hang: refuse it here
     stage_plan = plan_stages(units, counts, ax.size)
@@ -412,12 +418,18 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
                      else _stage_forward(stage_plan, stage, remat)
                      for stage in stage_plan.stages)
     plain = tuple(remat is None and stage.index not in models for stage in stage_plan.stages)
-    step = StepPlan(stage_plan, plan, ax, loss_fn, forwards, _declared(shapes, n_stages - 1),
-                    plain, mesh.device)
-    return PipelineModel(mesh, axis, step, dp_axis, models)
+    mutable_forwards = () if remat is not None else tuple(
+        _transformed_forward(models[stage.index], mutable=True) if stage.index in models
+        else functools.partial(stage_plan.forward_mutable, stage) for stage in stage_plan.stages)
+    step = StepPlan(stage_plan, plan, ax, loss_fn, forwards, parse_shapes(shapes, n_stages - 1),
+                    plain, mesh.device, mutable_forwards)
+    return PipelineModel(mesh, axis, step, dp_axis, models, infer_shapes=shapes is None)
 
 
-def _transformed_forward(model: Any):
+def _transformed_forward(model: Any, mutable: bool = False):
+    if mutable:
+        return lambda leaves, x: model.apply({n: leaves[n] for n in model.names}, x,
+                                             mutable=True)
     return lambda leaves, x: model.apply({n: leaves[n] for n in model.names}, x)
 
 

@@ -2,8 +2,9 @@
 
 Each rank runs the ``F`` actions of its schedule in order, under ``no_grad``;
 the last stage sends each micro-batch's output to every other pp rank, so the
-output is on every rank. Errors settle as in a training step
-(:func:`~.runtime.settle_and_raise`).
+output is on every rank: a tensor, or a tuple/list of tensors (each entry
+concatenated over the micro-batches on dim 0; None entries stay None). Errors
+settle as in a training step (:func:`~.runtime.settle_and_raise`).
 
 Example:
     >>> out = run_forward(step_plan, leaves, inputs)
@@ -12,33 +13,41 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
-from shardfn.transforms.pipeline._p2p import Messenger
+from shardfn.transforms.pipeline._p2p import DeclaredValue, Messenger, declared_of_value
 from shardfn.transforms.pipeline.messages import message_lists
 from shardfn.transforms.pipeline.runtime import (
     StepPlan,
     StepState,
     action_text,
-    describe,
     settle_and_raise,
 )
 from shardfn.transforms.pipeline.schedules import Action, stage_rank
+from shardfn.transforms.pipeline.values import check_value
 
 __all__ = ["run_forward"]
 
 
 def run_forward(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
-                inputs: torch.Tensor) -> torch.Tensor:
+                inputs: torch.Tensor, inferred: Mapping[tuple, DeclaredValue] | None = None
+                ) -> tuple[Any, dict[tuple, DeclaredValue]]:
     """Inference: the forward actions of the schedule, no graph; the output on every pp rank.
 
     The last stage's outputs (one per micro-batch) are sent to every other pp
-    rank and concatenated on dim 0. ``prepare`` checks the arguments and returns
-    this rank's leaves (inside the error handling, as in ``run_step``).
+    rank and concatenated on dim 0 (per entry for a tuple). ``prepare`` checks the
+    arguments and returns this rank's leaves (inside the error handling, as in
+    ``run_step``); ``inferred`` are shapes a first call found, as in ``run_step``.
+
+    Returns:
+        ``(output, shapes)``: the model's output, and the activation shapes this rank
+        sent or received (``StepReport.shapes``).
     """
     forwards = [a for a in plan.schedule.actions[plan.rank] if a.kind == "F"]
-    messenger = Messenger(plan.ax, plan.tag_of, plan.declared_of, plan.device)
+    messenger = Messenger(plan.ax, plan.tag_of, lambda key: plan.declared_of(key, inferred),
+                          plan.device)
     owed, expected = message_lists(plan.schedule, plan.rank, forwards)
     m, p, last = plan.schedule.n_microbatches, plan.schedule.n_ranks, plan.n_stages - 1
     holder = stage_rank(last, p)
@@ -51,7 +60,7 @@ def run_forward(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]
     action: Action | None = None
     try:
         leaves = prepare()
-        step = StepState(plan, leaves, inputs, None, messenger)
+        step = StepState(plan, leaves, inputs, None, messenger, inferred)
         with torch.no_grad():
             for action in forwards:
                 s, i = action.stage, action.microbatch
@@ -61,9 +70,8 @@ def run_forward(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]
                     step.check_output(s, i, out)
                     step.give("act", s, i, out)
                     continue
-                if not isinstance(out, torch.Tensor):
-                    raise TypeError(f"pipeline apply: the last stage returned {describe(out)} "
-                                    f"for micro-batch {i}; apply needs one tensor")
+                check_value(out, None, f"pipeline apply: the last stage's output for "
+                            f"micro-batch {i}", plan.rank)
                 outs[i] = out
                 for r in range(p):
                     if r != holder:
@@ -71,8 +79,27 @@ def run_forward(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]
             action = None
             if plan.rank != holder:
                 outs = {i: step.messenger.recv(("out", 0, i), holder) for i in range(m)}
+            step.seen.update({("out", 0, i): declared_of_value(outs[i]) for i in range(m)})
             step.messenger.finish()
     except BaseException as error:
         where = f"pipeline apply on pp rank {plan.rank}, during {action_text(action)}"
         settle_and_raise(messenger, owed, expected, error, where)
-    return torch.cat([outs[i] for i in range(m)], dim=0)
+    return _concat([outs[i] for i in range(m)]), step.seen
+
+
+def _concat(outs: list[Any]) -> Any:
+    """The micro-batches' outputs as one: tensors concatenated on dim 0, per tuple entry."""
+    if isinstance(outs[0], torch.Tensor):
+        return torch.cat(outs, dim=0)
+    entries = []
+    for j, first in enumerate(outs[0]):
+        column = [out[j] for out in outs]
+        if all(c is None for c in column):
+            entries.append(None)
+        elif any(c is None for c in column) or first.dim() == 0:
+            raise ValueError(f"pipeline apply: entry {j} of the last stage's output is None "
+                             "for some micro-batches or a 0-dim tensor, which cannot be "
+                             "concatenated over micro-batches (give it a batch dim)")
+        else:
+            entries.append(torch.cat(column, dim=0))
+    return type(outs[0])(entries)

@@ -34,44 +34,33 @@ from torch.autograd.graph import get_gradient_edge
 
 import shardfn.memory as mem
 from shardfn.primitives._comm import Axis
-from shardfn.transforms.pipeline._p2p import NONE, OK, Declared, Messenger, PeerFailed
+from shardfn.transforms.pipeline._p2p import (
+    NONE,
+    OK,
+    DeclaredValue,
+    Messenger,
+    PeerFailed,
+    declared_of_value,
+)
 from shardfn.transforms.pipeline.messages import message_lists, release_points
+from shardfn.transforms.pipeline.report import Event, StepReport
 from shardfn.transforms.pipeline.schedules import Action, Schedule, stage_rank
 from shardfn.transforms.pipeline.stage import StagePlan
+from shardfn.transforms.pipeline.values import (
+    check_value,
+    describe,
+    detach,
+    grad_declared,
+    grad_leaves,
+    grad_roots,
+    input_grads,
+    needing_grad,
+)
 
 __all__ = ["Event", "StepPlan", "StepReport", "StepState", "action_text", "describe", "run_step",
            "settle_and_raise", "split_microbatches"]
 
 _KINDS = ("act", "grad", "loss", "out")
-
-
-class Event(NamedTuple):
-    """One action as it ran: seconds since the step began, and how long it waited to receive."""
-
-    kind: str
-    stage: int
-    microbatch: int
-    start: float
-    end: float
-    wait: float
-
-
-class StepReport(NamedTuple):
-    """What a step did on this rank.
-
-    Attributes:
-        events: every action in the order it ran (for timelines).
-        peak_live: stage -> the most micro-batches whose graph (activations) it kept at once.
-        peak_held: the most graphs this rank (all its stages) kept at once
-            (``simulate(schedule).peak_held[rank]``).
-        start: ``time.perf_counter()`` when the step began (events are relative to it;
-            ``timeline.from_actions(rank, report.events, offset=report.start)``).
-    """
-
-    events: tuple[Event, ...]
-    peak_live: dict[int, int]
-    peak_held: int
-    start: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +74,13 @@ class StepPlan:
         loss_fn: ``loss_fn(out, targets) -> scalar mean``.
         forwards: per stage, ``fn(params, x)`` (the stage, possibly under remat).
         declared: per stage boundary ``s`` (output of stage ``s``), its declared
-            per-micro-batch shape and dtype, or None (exchanged in headers).
+            per-micro-batch shape and dtype (a tuple of them for a tuple output), or None
+            (exchanged in headers, or inferred: see ``inferred`` of :func:`run_step`).
         plain: per stage, whether ``forwards[s]`` is the plain unit chain, whose unit
             outputs split backward can use (see :class:`_Kept`).
         device: where messages are allocated (the mesh's device).
+        mutable_forwards: per stage, ``fn(params, x) -> (out, new_buffers)`` (for
+            ``mutable=True`` steps; empty: not supported).
     """
 
     stages: StagePlan
@@ -96,9 +88,10 @@ class StepPlan:
     ax: Axis
     loss_fn: Callable[[Any, Any], torch.Tensor]
     forwards: tuple[Callable[[Mapping[str, torch.Tensor], Any], Any], ...]
-    declared: tuple[Declared | None, ...] | None
+    declared: tuple[DeclaredValue, ...] | None
     plain: tuple[bool, ...] = ()
     device: torch.device = torch.device("cpu")
+    mutable_forwards: tuple[Callable[[Mapping[str, torch.Tensor], Any], Any], ...] = ()
 
     @property
     def rank(self) -> int:
@@ -123,15 +116,18 @@ class StepPlan:
         """
         return release_points(self.schedule, self.rank)
 
-    def declared_of(self, key: tuple) -> Declared | None:
-        kind, stage, _ = key
-        if self.declared is None or kind not in ("act", "grad"):
-            return None
+    def declared_of(self, key: tuple, inferred: Mapping[tuple, DeclaredValue] | None = None
+                    ) -> DeclaredValue | None:
+        """What message ``key`` declares: from ``shapes=``, else from ``inferred`` (the
+        activations' shapes a first step found, by ``("act", stage, microbatch)``)."""
+        kind, stage, microbatch = key
+        if kind not in ("act", "grad"):  # the loss, apply's outputs: inferred only
+            return (inferred or {}).get(key)
         boundary = stage if kind == "act" else stage - 1  # grad of stage s's input
-        found = self.declared[boundary]
-        if kind == "grad" and not (found.dtype.is_floating_point or found.dtype.is_complex):
-            return None  # an integer activation has no gradient: a NONE header alone
-        return found
+        found = self.declared[boundary] if self.declared is not None else \
+            (inferred or {}).get(("act", boundary, microbatch))
+        # the gradient of an integer activation (entry) has no payload
+        return found if kind == "act" or found is None else grad_declared(found)
 
 
 def split_microbatches(x: Any, m: int) -> list[Any]:
@@ -166,8 +162,16 @@ class StepState:
     """One rank's state during one step (:func:`run_step`, and ``inference.run_forward``)."""
 
     def __init__(self, plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs, targets,
-                 messenger: Messenger):
+                 messenger: Messenger, inferred: Mapping[tuple, DeclaredValue] | None = None,
+                 mutable: bool = False):
         self.plan = plan
+        #: with ``mutable``: this rank's buffers as the forwards so far left them
+        self.buffers = None if not mutable else {
+            n: leaves[n] for st in plan.stages.on_rank(plan.rank) for n in st.names
+            if n not in st.trainable and n in plan.stages.full.buffer_names}
+        self.next_forward = {st.index: 0 for st in plan.stages.on_rank(plan.rank)}
+        self.inferred = inferred  # the shapes a first step found (see run_step)
+        self.seen: dict[tuple, DeclaredValue] = {}  # the activations this step sent / received
         self.leaves = leaves
         m = plan.schedule.n_microbatches
         self.inputs = split_microbatches(inputs, m)
@@ -190,8 +194,10 @@ class StepState:
         dst = stage_rank(stage + 1 if kind == "act" else stage - 1, self.plan.schedule.n_ranks)
         key = (kind, stage, microbatch)
         if dst == self.plan.rank:
-            self.local[key] = None if tensor is None else tensor.detach()
+            self.local[key] = detach(tensor)
         else:
+            if kind == "act":
+                self.seen[key] = declared_of_value(tensor)
             self.messenger.send(key, dst, tensor, OK if tensor is not None else NONE)
 
     def take(self, kind: str, stage: int, microbatch: int) -> torch.Tensor | None:
@@ -206,6 +212,8 @@ class StepState:
             self.wait += time.perf_counter() - start
         for sent in self.plan.releases.get((key, src), ()):
             self.messenger.wait_sent(*sent)
+        if kind == "act" and value is not None:
+            self.seen[key] = declared_of_value(value)
         return value
 
     # -- actions --------------------------------------------------------------------------
@@ -215,17 +223,18 @@ class StepState:
 
     def _forward(self, s: int, i: int) -> None:
         plan = self.plan
-        x = self.inputs[i] if s == 0 else self.take("act", s - 1, i)
-        if s > 0 and (x.is_floating_point() or x.is_complex()):
-            x = x.detach().requires_grad_(True)
+        x = self.inputs[i] if s == 0 else grad_leaves(self.take("act", s - 1, i))
         stage = plan.stages.stages[s]
         units: list | None = None
         with torch.enable_grad():
-            if plan.schedule.split_backward and plan.plain and plan.plain[s]:
+            if self.buffers is not None:  # one piece per stage (no per-unit split backward)
+                out = self._forward_mutable(s, i, x)
+            elif plan.schedule.split_backward and plan.plain and plan.plain[s]:
                 units = []  # a unit output's graph edge, not the tensor: its data may be freed
 
                 def keep(h: Any) -> None:
-                    units.append(get_gradient_edge(h) if _needs_grad(h) and h is not x else None)
+                    units.append(get_gradient_edge(h) if _needs_grad(h) and h is not x else
+                                 _SEVERAL if isinstance(h, (tuple, list)) else None)
 
                 out = plan.stages.forward(stage, self.leaves, x, keep=keep)
             else:
@@ -241,8 +250,8 @@ class StepState:
         if s < plan.n_stages - 1:
             self.check_output(s, i, out)
             self.give("act", s, i, out)
-        if units is None:
-            pieces = ((out, stage.trainable),)
+        if units is None or any(u is _SEVERAL for u in units[:-1]):
+            pieces = ((out, stage.trainable),)  # a tuple inside the stage: one piece
         else:
             pieces = (*zip(units[:-1], stage.unit_trainable[:-1], strict=True),
                       (out, stage.unit_trainable[-1]))
@@ -251,17 +260,28 @@ class StepState:
         self.peak_live[s] = max(self.peak_live[s], live)
         self.peak_held = max(self.peak_held, len(self.kept))
 
+    def _forward_mutable(self, s: int, i: int, x: Any) -> Any:
+        """The stage's forward with its current buffers, which it then updates: micro-batch
+        ``i`` sees the buffers micro-batches ``0 .. i-1`` left, as one process running the
+        micro-batches in order would."""
+        if i != self.next_forward[s]:
+            raise RuntimeError(f"pipeline mutable step: schedule {self.plan.schedule.name!r} "
+                               f"runs stage {s}'s forward of micro-batch {i} before micro-batch "
+                               f"{self.next_forward[s]}; buffers need them in order")
+        self.next_forward[s] = i + 1
+        out, new = self.plan.mutable_forwards[s]({**self.leaves, **self.buffers}, x)
+        self.buffers.update({n: t.detach() for n, t in new.items() if n in self.buffers})
+        return out
+
     def check_output(self, s: int, i: int, out: Any) -> None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"pipeline stage {s} returned {describe(out)} for micro-batch {i}; "
-                            "a stage must return one tensor (the next stage's input)")
-        declared = None if self.plan.declared is None else self.plan.declared[s]
-        if declared is not None and (tuple(out.shape) != tuple(declared.shape)
-                                     or out.dtype != declared.dtype):
-            raise ValueError(f"pipeline stage {s} output for micro-batch {i} has shape "
-                             f"{tuple(out.shape)} {out.dtype}, but shapes= declared "
-                             f"{tuple(declared.shape)} {declared.dtype} (on pp rank "
-                             f"{self.plan.rank})")
+        """Refuse a stage output that cannot cross a boundary, or that breaks the declared
+        (or inferred) shapes (:func:`~.values.check_value`)."""
+        if self.plan.declared is not None:
+            declared = self.plan.declared[s]
+        else:
+            declared = None if self.inferred is None else self.inferred.get(("act", s, i))
+        check_value(out, declared, f"pipeline stage {s} output for micro-batch {i}",
+                    self.plan.rank, inferred=self.plan.declared is None)
 
     def backward(self, s: int, i: int, weights: bool) -> None:
         """``B``: the input gradient, sent on; with ``weights`` also the parameter gradients
@@ -269,7 +289,7 @@ class StepState:
         kept = self.kept.pop((s, i))
         last = s == self.plan.n_stages - 1
         grad_out = None if last else self.take("grad", s + 1, i)
-        x_wrt = [kept.x] if s > 0 and _needs_grad(kept.x) else []
+        x_wrt = needing_grad(kept.x) if s > 0 else []
         if weights:
             names = kept.pieces[0][1]
             wrt = x_wrt + [self.leaves[n] for n in names]
@@ -278,12 +298,13 @@ class StepState:
                      if names and r is not None}
             wrt = x_wrt + list(roots.values())
         found: Sequence[torch.Tensor | None] = [None] * len(wrt)
-        if wrt and kept.out.requires_grad and (last or grad_out is not None):
+        outs, outs_grads = grad_roots(kept.out, grad_out)
+        if wrt and outs and (last or grad_out is not None):
             with mem.category(f"pipeline.stage{s}.backward"):
-                found = torch.autograd.grad(kept.out, wrt, grad_outputs=grad_out,
+                found = torch.autograd.grad(outs, wrt, grad_outputs=outs_grads,
                                             retain_graph=not weights, allow_unused=True)
         if s > 0:
-            self.give("grad", s, i, found[0] if x_wrt else None)
+            self.give("grad", s, i, input_grads(kept.x, found[:len(x_wrt)]))
         if weights:
             self._accumulate(names, found[len(x_wrt):])
             return
@@ -300,12 +321,12 @@ class StepState:
         for k, ((root, names), grad) in enumerate(zip(kept.pieces, kept.piece_grads,
                                                       strict=True)):
             starts_here = last and k == len(kept.pieces) - 1  # the scaled loss itself
-            if not names or root is None or (grad is None and not starts_here) or \
-                    (isinstance(root, torch.Tensor) and not root.requires_grad):
+            outs, outs_grads = grad_roots(root, grad) if root is not None else ([], None)
+            if not names or not outs or (grad is None and not starts_here):
                 continue
             with mem.category(f"pipeline.stage{s}.backward"):
-                found = torch.autograd.grad(root, [self.leaves[n] for n in names],
-                                            grad_outputs=grad, retain_graph=True,
+                found = torch.autograd.grad(outs, [self.leaves[n] for n in names],
+                                            grad_outputs=outs_grads, retain_graph=True,
                                             allow_unused=True)
             self._accumulate(names, found)
 
@@ -338,18 +359,15 @@ class StepState:
                                  self.wait))
 
 
+_SEVERAL = object()  # a unit output that is a tuple (split backward keeps the stage whole)
+
+
 def _edge_key(edge: Any) -> tuple[int, int]:
     return id(edge.node), edge.output_nr
 
 
 def _needs_grad(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.requires_grad
-
-
-def describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
 
 
 def settle_and_raise(step_messenger: Messenger, owed, expected, error: BaseException,
@@ -365,7 +383,8 @@ def settle_and_raise(step_messenger: Messenger, owed, expected, error: BaseExcep
 
 
 def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
-             inputs: torch.Tensor, targets: Any
+             inputs: torch.Tensor, targets: Any,
+             inferred: Mapping[tuple, DeclaredValue] | None = None, mutable: bool = False
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor], StepReport]:
     """Run this rank's actions of ``plan.schedule`` on one batch.
 
@@ -376,18 +395,24 @@ def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
             argument on one rank stops the others too.
         inputs: the whole batch's inputs (split on dim 0; only stage 0 reads them).
         targets: the whole batch's targets (split alike; only the last stage reads them).
+        inferred: the activation shapes a first step found (its ``report.shapes``, the
+            same on both sides of every message): they are declared, so no payload waits
+            for its header; a stage output that breaks them raises.
+        mutable: thread this rank's buffers through its stages' forwards, micro-batch by
+            micro-batch (``report.buffers``: their values after the step).
 
     Returns:
         ``(loss, grads, report)``: the loss over the whole batch (on every pp rank),
         this rank's trainable gradients summed over micro-batches (zeros for unused
         leaves) and the :class:`StepReport`.
     """
-    messenger = Messenger(plan.ax, plan.tag_of, plan.declared_of, plan.device)
+    messenger = Messenger(plan.ax, plan.tag_of, lambda key: plan.declared_of(key, inferred),
+                          plan.device)
     owed, expected = message_lists(plan.schedule, plan.rank)
     action: Action | None = None
     try:
         leaves = prepare()
-        step = StepState(plan, leaves, inputs, targets, messenger)
+        step = StepState(plan, leaves, inputs, targets, messenger, inferred, mutable)
         for action in plan.schedule.actions[plan.rank]:
             step.run(action)
         holder = stage_rank(plan.n_stages - 1, plan.schedule.n_ranks)
@@ -397,13 +422,16 @@ def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
                     step.messenger.send(("loss", 0, 0), r, step.loss)
         else:
             step.loss = step.messenger.recv(("loss", 0, 0), holder)
+        step.seen[("loss", 0, 0)] = declared_of_value(step.loss)
         step.messenger.finish()
     except BaseException as error:  # every rank settles its messages, then raises
         where = (f"pipeline step on pp rank {plan.rank}, during {action_text(action)} of "
                  f"schedule {plan.schedule.name!r}")
         settle_and_raise(messenger, owed, expected, error, where)
     grads = {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in step.grads.items()}
-    return step.loss, grads, StepReport(tuple(step.events), step.peak_live, step.peak_held, step.t0)
+    return step.loss, grads, StepReport(tuple(step.events), step.peak_live, step.peak_held,
+                                        step.t0, messenger.header_first, step.seen,
+                                        step.buffers)
 
 
 def action_text(action: Action | None) -> str:

@@ -24,9 +24,13 @@ import torch
 from torch import nn
 
 from shardfn.functional import FunctionalModel, functional
+from shardfn.mesh import Mesh
+from shardfn.primitives import _comm
+from shardfn.primitives._comm import resolve
 from shardfn.transforms.pipeline.schedules import stage_rank
 
-__all__ = ["Stage", "StagePlan", "as_units", "check_balance", "plan_stages", "stage_module"]
+__all__ = ["Stage", "StagePlan", "as_units", "check_balance", "plan_stages", "resolve_balance",
+           "stage_module"]
 
 Params = dict[str, torch.Tensor]
 
@@ -98,6 +102,23 @@ class StagePlan:
         """``fn(params, x)``: :meth:`forward` of one stage, as a plain function."""
         return lambda params, x: self.forward(stage, params, x)
 
+    def forward_mutable(self, stage: Stage, params: Mapping[str, torch.Tensor], x: Any
+                        ) -> tuple[Any, Params]:
+        """:meth:`forward` that also returns the stage's buffers as its units left them
+        (``apply(..., mutable=True)`` per unit; full-tree names).
+
+        Example:
+            >>> out, buffers = plan.forward_mutable(plan.stages[0], params, x)
+        """
+        buffers: Params = {}
+        for unit in stage.units:
+            prefix = f"{unit}."
+            model = self.unit_models[unit]
+            x, new = model.apply({name: params[prefix + name] for name in model.names}, x,
+                                 mutable=True)
+            buffers.update({prefix + name: t.detach() for name, t in new.items()})
+        return x, buffers
+
 
 def stage_module(units: Sequence[nn.Module], stage: Stage) -> nn.Sequential:
     """An ``nn.Sequential`` of ``stage``'s units under their full-model indices, so its
@@ -155,6 +176,26 @@ def check_balance(balance: Sequence[int], n_units: int, n_stages: int) -> tuple[
         raise ValueError(f"balance {list(counts)} covers {sum(counts)} units, but the model "
                          f"has {n_units}: the counts must add up to the number of units")
     return counts
+
+
+def resolve_balance(balance: Any, units: Sequence[nn.Module], n_stages: int,
+                    sample: Any, mesh: Mesh) -> tuple[int, ...]:
+    """``balance=`` as unit counts: a list (checked), or ``"params"`` / ``"time"``
+    (measured on ``sample``; with ``"time"`` mesh index 0's counts are broadcast)."""
+    if isinstance(balance, str) and balance in ("params", "time"):
+        try:
+            from shardfn.transforms.pipeline.balance import balance_units
+        except ImportError as error:
+            raise NotImplementedError(f"balance={balance!r} needs shardfn.transforms.pipeline"
+                                      ".balance, not written yet: pass a list of unit counts"
+                                      ) from error
+        by = balance
+        balance = balance_units(list(units), n_stages, by=by, sample=sample)
+        if by == "time" and mesh.size() > 1:  # timings differ by rank: mesh index 0 decides
+            every = resolve(mesh.axis_names, mesh)
+            counts = torch.tensor(list(balance), dtype=torch.int64)
+            balance = [int(c) for c in _comm.broadcast(counts, every, 0).tolist()]
+    return check_balance(balance, len(units), n_stages)
 
 
 def _check_ties(full: FunctionalModel) -> None:

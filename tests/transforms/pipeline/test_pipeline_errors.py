@@ -291,3 +291,80 @@ def test_bad_arguments_on_one_rank_stop_every_rank(worlds, call):
     assert max(first[2], second[2]) < 20
     for loss in worlds(2).run(_healthy_step, 2):
         assert_close(loss, _expected_healthy_loss(2))
+
+
+class _AsDict(nn.Module):
+    """Returns a dict: no boundary takes it (only tensors and tuples/lists of them)."""
+
+    def forward(self, x):
+        return {"h": x}
+
+
+class _FromDict(nn.Module):
+    def forward(self, d):
+        return d["h"]
+
+
+def _tuple_units():
+    from tests.transforms.pipeline.test_pipeline_tuples import Masked, Pair, TakeFirst
+
+    return [nn.Linear(4, 8), Pair(), Masked(), TakeFirst(), nn.Linear(8, 3)]
+
+
+@pytest.mark.parametrize("shapes, words", [
+    ([((2, 8), ((2, 8), torch.int32))],  # the mask is int64
+     "stage 0 output for micro-batch 0, entry 1, has shape (2, 8) torch.int64, but shapes= "
+     "declared (2, 8) torch.int32 (on pp rank 0)"),
+    ([(2, 8)],  # a single tensor declared for a tuple output
+     "stage 0 output for micro-batch 0 has shape ((2, 8) torch.float32, (2, 8) torch.int64), "
+     "but shapes= declared (2, 8) torch.float32"),
+    ([((2, 8), (2, 8), (2, 8))],
+     "stage 0 output for micro-batch 0 has 2 entries, but shapes= declared 3"),
+])
+def test_declared_tuple_mismatch_raises_on_every_rank(worlds, shapes, words):
+    case = {"units": _tuple_units(), "p": 2, "balance": [2, 3], "schedule": "1f1b", "m": 3,
+            "v": 1, "rows": 6, "shapes": shapes}
+    first, second = worlds(2).run(_catching, case)
+    assert first[0] == "ValueError" and words in first[1], first
+    assert second[0] == "PeerFailed" and "pp rank 0 failed" in second[1]
+    assert words in second[1]  # the failing rank's text travels with its error header
+    assert max(first[2], second[2]) < 20
+    for loss in worlds(2).run(_healthy_step, 2):
+        assert_close(loss, _expected_healthy_loss(2))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_dict_stage_output_is_refused_on_every_rank(worlds, schedule):
+    units = [nn.Linear(4, 8), _AsDict(), _FromDict(), nn.Linear(8, 3)]
+    case = {"units": units, "p": 2, "balance": [2, 2], "schedule": schedule, "m": 2,
+            "v": 1, "rows": 4}
+    first, second = worlds(2).run(_catching, case)
+    assert first[0] == "TypeError", first
+    assert "pipeline stage 0 output for micro-batch 0 is a dict: only a tensor or a " \
+           "tuple/list of tensors (and None) can travel between pp ranks" in first[1]
+    assert second[0] == "PeerFailed" and "is a dict" in second[1]
+    for loss in worlds(2).run(_healthy_step, 2):
+        assert_close(loss, _expected_healthy_loss(2))
+
+
+@pytest.mark.parametrize("inner, kind", [(lambda x: (x, x), "tuple"), (lambda x: 3, "int")])
+def test_a_nested_tuple_or_a_number_in_a_tuple_is_refused(inner, kind):
+    units = [nn.Linear(4, 8), _Nested(inner), _FromNested(), nn.Linear(8, 3)]
+    pp = pipeline_stages(units, sf.Mesh({"pp": 1}), balance=[2, 2], schedule="gpipe",
+                         microbatches=2, loss_fn=mse, virtual=2)
+    with pytest.raises(TypeError, match=rf"micro-batch 0 is a tuple: .*entry 1 is a {kind}"):
+        pp.value_and_grad(pp.init(0), *batch(4))
+
+
+class _Nested(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return x, self.inner(x)
+
+
+class _FromNested(nn.Module):
+    def forward(self, pair):
+        return pair[0]
