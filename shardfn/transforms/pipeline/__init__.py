@@ -17,6 +17,7 @@ from shardfn.transforms.pipeline.schedules import (
     make_schedule,
     stage_rank,
 )
+from shardfn.transforms.pipeline.shapes import DYNAMIC, ShapeCache
 from shardfn.transforms.pipeline.simulate import (
     SimResult,
     simulate,
@@ -34,8 +35,8 @@ from shardfn.transforms.pipeline.timeline import (
     to_chrome_trace,
 )
 
-__all__ = ["SCHEDULES", "Action", "Event", "PipelineModel", "Schedule", "SimResult",
-           "StepReport", "Timeline", "TimelineEvent", "balance_units", "from_actions",
-           "from_simulation", "gather_events", "make_schedule", "measured_bubble", "partition",
-           "pipeline_stages", "plot", "simulate", "stage_rank", "theoretical_bubble",
-           "to_chrome_trace", "validate"]
+__all__ = ["DYNAMIC", "SCHEDULES", "Action", "Event", "PipelineModel", "Schedule", "ShapeCache",
+           "SimResult", "StepReport", "Timeline", "TimelineEvent", "balance_units",
+           "from_actions", "from_simulation", "gather_events", "make_schedule",
+           "measured_bubble", "partition", "pipeline_stages", "plot", "simulate", "stage_rank",
+           "theoretical_bubble", "to_chrome_trace", "validate"]
