@@ -30,9 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from torch.autograd.graph import get_gradient_edge
 
 import shardfn.memory as mem
+import shardfn.transforms.pipeline._weight_grad as wg
 from shardfn.primitives._comm import Axis
 from shardfn.transforms.pipeline._p2p import NONE, OK, Declared, Messenger, PeerFailed
 from shardfn.transforms.pipeline.messages import message_lists, release_points
@@ -144,22 +144,21 @@ def split_microbatches(x: Any, m: int) -> list[Any]:
 class _Kept(NamedTuple):
     """One micro-batch's graph of one stage, from F to its last backward piece.
 
-    ``pieces`` are ``(root, names)``: the parameters ``names`` get their gradients
-    by differentiating ``root``. Without split backward there is one piece, the
-    stage's output (the scaled loss on the last stage) and all its parameters.
-    With split backward and a plain unit chain, one piece per unit: its output's
-    graph edge (``get_gradient_edge``: the node, not the data, so nothing is kept
-    alive that the graph would not keep) and its parameters (the last unit's root
-    is the stage's). ``B`` then asks autograd for the input gradient *and* the
-    gradients at the unit outputs, and ``W`` differentiates each unit's output
-    alone down to its own parameters, so ``W`` does not run the input-gradient
-    path through the stage again.
+    After F: ``x`` and ``out`` (``split`` and ``captured`` None). With split backward,
+    ``B`` replaces it by ``(None, out, split, captured)``: the graph analysis of
+    :mod:`._weight_grad` and the gradients recorded at its intermediates, which is
+    all ``W`` needs, or by ``(None, None, None, None)`` when ``B`` ran the full
+    backward (``W`` then has nothing left to do). ``out`` is kept until ``W`` although
+    ``W`` does not need the graph above the intermediates: a kept graph is then whole
+    from F to its last piece, as the memory accounting (``peak_live`` times one
+    micro-batch's graph) counts it. Dropping it at ``B`` would free that graph tail
+    (on the last stage the loss's saved tensors and the last unit's output side).
     """
 
     x: Any  # the stage's input (a leaf requiring grad when it is floating and s > 0)
-    out: torch.Tensor  # the output, or the scaled loss on the last stage
-    pieces: tuple[tuple[Any, tuple[str, ...]], ...]  # (Tensor | GradientEdge | None, names)
-    piece_grads: tuple[torch.Tensor | None, ...] | None  # set by B (split backward)
+    out: Any  # the output(s), or the scaled loss on the last stage
+    split: wg.Split | None  # set by B (split backward): the graph analysis
+    captured: list | None  # set by B: gradients into split.intermediates
 
 
 class StepState:
@@ -218,18 +217,8 @@ class StepState:
         x = self.inputs[i] if s == 0 else self.take("act", s - 1, i)
         if s > 0 and (x.is_floating_point() or x.is_complex()):
             x = x.detach().requires_grad_(True)
-        stage = plan.stages.stages[s]
-        units: list | None = None
         with torch.enable_grad():
-            if plan.schedule.split_backward and plan.plain and plan.plain[s]:
-                units = []  # a unit output's graph edge, not the tensor: its data may be freed
-
-                def keep(h: Any) -> None:
-                    units.append(get_gradient_edge(h) if _needs_grad(h) and h is not x else None)
-
-                out = plan.stages.forward(stage, self.leaves, x, keep=keep)
-            else:
-                out = plan.forwards[s](self.leaves, x)
+            out = plan.forwards[s](self.leaves, x)  # split backward analyses the graph in B
             if s == plan.n_stages - 1:
                 loss = plan.loss_fn(out, self.targets[i])
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -241,12 +230,7 @@ class StepState:
         if s < plan.n_stages - 1:
             self.check_output(s, i, out)
             self.give("act", s, i, out)
-        if units is None:
-            pieces = ((out, stage.trainable),)
-        else:
-            pieces = (*zip(units[:-1], stage.unit_trainable[:-1], strict=True),
-                      (out, stage.unit_trainable[-1]))
-        self.kept[(s, i)] = _Kept(x, out, pieces, None)
+        self.kept[(s, i)] = _Kept(x, out, None, None)
         live = sum(1 for (stage, _) in self.kept if stage == s)
         self.peak_live[s] = max(self.peak_live[s], live)
         self.peak_held = max(self.peak_held, len(self.kept))
@@ -264,50 +248,44 @@ class StepState:
                              f"{self.plan.rank})")
 
     def backward(self, s: int, i: int, weights: bool) -> None:
-        """``B``: the input gradient, sent on; with ``weights`` also the parameter gradients
-        (the graph is then freed), else the gradients at the pieces' roots, kept for W."""
+        """``B``: the input gradient, sent on. With ``weights`` also the parameter gradients
+        (the graph is then freed); else (split backward) only the input gradient, with the
+        gradients at the intermediates recorded for ``W`` (:mod:`._weight_grad`). When the
+        graph does not split (stage 0 without an input gradient, a remat or transformed
+        stage, an output not depending on the input), ``B`` runs the full backward and
+        ``W`` is empty: one backward is never slower than two halves."""
         kept = self.kept.pop((s, i))
         last = s == self.plan.n_stages - 1
         grad_out = None if last else self.take("grad", s + 1, i)
-        x_wrt = [kept.x] if s > 0 and _needs_grad(kept.x) else []
-        if weights:
-            names = kept.pieces[0][1]
-            wrt = x_wrt + [self.leaves[n] for n in names]
-        else:  # the roots of the pieces before the last, once each
-            roots = {_edge_key(r): r for r, names in kept.pieces[:-1]
-                     if names and r is not None}
-            wrt = x_wrt + list(roots.values())
-        found: Sequence[torch.Tensor | None] = [None] * len(wrt)
-        if wrt and kept.out.requires_grad and (last or grad_out is not None):
-            with mem.category(f"pipeline.stage{s}.backward"):
-                found = torch.autograd.grad(kept.out, wrt, grad_outputs=grad_out,
-                                            retain_graph=not weights, allow_unused=True)
+        outs, grads_out = _differentiable(kept.out, grad_out, last)
+        xs = [t for t in _tensors(kept.x) if _needs_grad(t)] if s > 0 else []
+        names = self.plan.stages.stages[s].trainable
+        params = [self.leaves[n] for n in names]
+        split = captured = None
+        if not weights and outs and self.plan.plain and self.plan.plain[s]:
+            split = wg.plan_split(outs, xs, params)
+        found: Sequence[torch.Tensor | None] = [None] * len(xs)
+        with mem.category(f"pipeline.stage{s}.backward"):
+            if split is not None:
+                found, captured = wg.backward_input(split, outs, grads_out, xs)
+            elif outs and (xs or params):
+                found = torch.autograd.grad(outs, xs + params, grad_outputs=grads_out,
+                                            allow_unused=True)
+                self._accumulate(names, found[len(xs):])
         if s > 0:
-            self.give("grad", s, i, found[0] if x_wrt else None)
-        if weights:
-            self._accumulate(names, found[len(x_wrt):])
-            return
-        by_root = {_edge_key(r): g for r, g in zip(wrt[len(x_wrt):], found[len(x_wrt):],
-                                                    strict=True)}
-        grads = tuple(None if r is None else by_root.get(_edge_key(r))
-                      for r, _ in kept.pieces[:-1]) + (grad_out,)
-        self.kept[(s, i)] = kept._replace(piece_grads=grads)
+            self.give("grad", s, i, _input_grads(kept.x, found[:len(xs)]))
+        if not weights:  # out stays referenced until W (see _Kept)
+            self.kept[(s, i)] = _Kept(None, kept.out if split else None, split, captured)
 
     def weight_grads(self, s: int, i: int) -> None:
-        """``W``: each piece's parameter gradients from the gradient B found at its root."""
+        """``W``: the parameter gradients from the gradients ``B`` recorded at the
+        intermediates; only the parameter branches of the graph run, and it is freed."""
         kept = self.kept.pop((s, i))
-        last = s == self.plan.n_stages - 1
-        for k, ((root, names), grad) in enumerate(zip(kept.pieces, kept.piece_grads,
-                                                      strict=True)):
-            starts_here = last and k == len(kept.pieces) - 1  # the scaled loss itself
-            if not names or root is None or (grad is None and not starts_here) or \
-                    (isinstance(root, torch.Tensor) and not root.requires_grad):
-                continue
-            with mem.category(f"pipeline.stage{s}.backward"):
-                found = torch.autograd.grad(root, [self.leaves[n] for n in names],
-                                            grad_outputs=grad, retain_graph=True,
-                                            allow_unused=True)
-            self._accumulate(names, found)
+        if kept.split is None:
+            return  # B ran the full backward
+        with mem.category(f"pipeline.stage{s}.backward"):
+            found = wg.backward_weights(kept.split, kept.captured)
+        self._accumulate(self.plan.stages.stages[s].trainable, found)
 
     def _accumulate(self, names: Sequence[str], found: Sequence[torch.Tensor | None]) -> None:
         for name, grad in zip(names, found, strict=True):
@@ -338,8 +316,31 @@ class StepState:
                                  self.wait))
 
 
-def _edge_key(edge: Any) -> tuple[int, int]:
-    return id(edge.node), edge.output_nr
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of a stage input or output: the tensor, or those of a tuple/list."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _differentiable(out: Any, grad_out: Any, last: bool
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """The outputs requiring grad with a gradient, and those gradients (None: the loss)."""
+    outs = _tensors(out)
+    grads = [None] * len(outs) if last else (
+        list(grad_out) if isinstance(grad_out, (tuple, list)) else [grad_out])
+    pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
+             if o.requires_grad and (last or g is not None)]
+    return [o for o, _ in pairs], [g for _, g in pairs]
+
+
+def _input_grads(x: Any, found: Sequence[torch.Tensor | None]) -> Any:
+    """The gradients to send back for input ``x``, shaped as ``x`` (None where none)."""
+    pending = iter(found)
+    grads = [next(pending) if _needs_grad(t) else None for t in _tensors(x)]
+    return grads[0] if isinstance(x, torch.Tensor) else (tuple(grads) if grads else None)
 
 
 def _needs_grad(x: Any) -> bool:
