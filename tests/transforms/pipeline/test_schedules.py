@@ -226,3 +226,34 @@ def test_simulate_errors_and_formula_names():
         simulate(make_schedule("1f1b", 2, 2), t_f=0.0)
     with pytest.raises(ValueError, match="unknown schedule"):
         theoretical_bubble("pipedream", 2, 4)
+
+
+def _torch_interleaved_order(p: int, m: int, v: int) -> list[list[str]] | None:
+    """torch's ScheduleInterleaved1F1B order per rank (its idle slots dropped), computed by
+    its own per-rank method on a stand-in (no process group); None if torch lacks it."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    method = getattr(schedules.ScheduleInterleaved1F1B, "_calculate_single_rank_operations",
+                     None)
+    if method is None:
+        return None
+    rounds = max(1, m // p)
+    holder = type("Stand", (), {"n_local_stages": v, "pp_group_size": p,
+                                "microbatches_per_round": m // rounds, "_n_microbatches": m})
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+    return [[f"{kinds[a.computation_type.name]}{a.stage_index}.{a.microbatch_index}"
+             for a in method(holder(), r) if a is not None] for r in range(p)]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("v", [2, 3])
+def test_interleaved_order_is_torchs(p, v):
+    """Action for action, every rank's interleaved order is ScheduleInterleaved1F1B's (so a
+    step-time gap between the two is not the order)."""
+    for m in range(1, 9):
+        if m % max(1, m // p):
+            continue
+        theirs = _torch_interleaved_order(p, m, v)
+        if theirs is None:
+            pytest.skip("torch's ScheduleInterleaved1F1B has no per-rank order method")
+        ours = make_schedule("interleaved", p, m, v)
+        assert [_show(ours, r) for r in range(p)] == theirs, (p, m, v)
