@@ -316,31 +316,34 @@ class StepState:
                                  self.wait))
 
 
+def _items(value: Any) -> list[Any]:
+    """A stage input's or output's parts: the items of a tuple/list, else the value."""
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors of a stage input or output: the tensor, or those of a tuple/list."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [v for v in value if isinstance(v, torch.Tensor)]
-    return []
+    """The tensors among :func:`_items`."""
+    return [v for v in _items(value) if isinstance(v, torch.Tensor)]
 
 
 def _differentiable(out: Any, grad_out: Any, last: bool
                     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """The outputs requiring grad with a gradient, and those gradients (None: the loss)."""
-    outs = _tensors(out)
-    grads = [None] * len(outs) if last else (
-        list(grad_out) if isinstance(grad_out, (tuple, list)) else [grad_out])
-    pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
-             if o.requires_grad and (last or g is not None)]
+    """The outputs requiring grad that have a gradient, and those gradients (``grad_out``
+    is aligned with :func:`_items` of ``out``; on the last stage ``out`` is the loss and
+    its gradient None: ones)."""
+    items = _items(out)
+    grads = [None] * len(items) if last or grad_out is None else _items(grad_out)
+    pairs = [(o, g) for o, g in zip(items, grads, strict=True)
+             if _needs_grad(o) and (last or g is not None)]
     return [o for o, _ in pairs], [g for _, g in pairs]
 
 
 def _input_grads(x: Any, found: Sequence[torch.Tensor | None]) -> Any:
-    """The gradients to send back for input ``x``, shaped as ``x`` (None where none)."""
+    """The gradients to send back for input ``x``, aligned with :func:`_items` of ``x``
+    (None where a part needs none); ``found`` holds those of its parts needing grad."""
     pending = iter(found)
-    grads = [next(pending) if _needs_grad(t) else None for t in _tensors(x)]
-    return grads[0] if isinstance(x, torch.Tensor) else (tuple(grads) if grads else None)
+    grads = [next(pending) if _needs_grad(t) else None for t in _items(x)]
+    return grads[0] if not isinstance(x, (tuple, list)) else tuple(grads)
 
 
 def _needs_grad(x: Any) -> bool:
