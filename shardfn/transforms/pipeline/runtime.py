@@ -147,7 +147,9 @@ class _Kept(NamedTuple):
     After F: ``x`` and ``out`` (``split`` and ``captured`` None). With split backward,
     ``B`` replaces it by ``(None, out, split, captured)``: the graph analysis of
     :mod:`._weight_grad` and the gradients recorded at its intermediates, which is
-    all ``W`` needs, or by ``(None, None, None, None)`` when ``B`` ran the full
+    all ``W`` needs; by ``(None, outs, None, output gradients)`` when there was no
+    input gradient to compute (stage 0: ``W`` runs the whole backward, as torch's
+    first stage does); or by ``(None, None, None, None)`` when ``B`` ran the full
     backward (``W`` then has nothing left to do). ``out`` is kept until ``W`` although
     ``W`` does not need the graph above the intermediates: a kept graph is then whole
     from F to its last piece, as the memory accounting (``peak_live`` times one
@@ -250,10 +252,11 @@ class StepState:
     def backward(self, s: int, i: int, weights: bool) -> None:
         """``B``: the input gradient, sent on. With ``weights`` also the parameter gradients
         (the graph is then freed); else (split backward) only the input gradient, with the
-        gradients at the intermediates recorded for ``W`` (:mod:`._weight_grad`). When the
-        graph does not split (stage 0 without an input gradient, a remat or transformed
-        stage, an output not depending on the input), ``B`` runs the full backward and
-        ``W`` is empty: one backward is never slower than two halves."""
+        gradients at the intermediates recorded for ``W`` (:mod:`._weight_grad`). Without
+        an input gradient to compute (stage 0) ``B`` only keeps the output gradients and
+        ``W`` runs the whole backward. When the graph does not split (a remat or
+        transformed stage, an output not depending on the input), ``B`` runs the full
+        backward and ``W`` is empty: one backward is never slower than two halves."""
         kept = self.kept.pop((s, i))
         last = s == self.plan.n_stages - 1
         grad_out = None if last else self.take("grad", s + 1, i)
@@ -262,6 +265,11 @@ class StepState:
         names = self.plan.stages.stages[s].trainable
         params = [self.leaves[n] for n in names]
         split = captured = None
+        if not weights and outs and not xs:  # nothing waits for this B: W does it all
+            self.kept[(s, i)] = _Kept(None, outs, None, grads_out)
+            if s > 0:
+                self.give("grad", s, i, _input_grads(kept.x, []))
+            return
         if not weights and outs and self.plan.plain and self.plan.plain[s]:
             split = wg.plan_split(outs, xs, params)
         found: Sequence[torch.Tensor | None] = [None] * len(xs)
@@ -281,11 +289,16 @@ class StepState:
         """``W``: the parameter gradients from the gradients ``B`` recorded at the
         intermediates; only the parameter branches of the graph run, and it is freed."""
         kept = self.kept.pop((s, i))
-        if kept.split is None:
-            return  # B ran the full backward
+        names = self.plan.stages.stages[s].trainable
+        if kept.out is None or not names:
+            return  # B ran the full backward (or there is nothing to differentiate)
         with mem.category(f"pipeline.stage{s}.backward"):
-            found = wg.backward_weights(kept.split, kept.captured)
-        self._accumulate(self.plan.stages.stages[s].trainable, found)
+            if kept.split is None:  # B had no input gradient to compute: the whole backward
+                found = torch.autograd.grad(kept.out, [self.leaves[n] for n in names],
+                                            grad_outputs=kept.captured, allow_unused=True)
+            else:
+                found = wg.backward_weights(kept.split, kept.captured)
+        self._accumulate(names, found)
 
     def _accumulate(self, names: Sequence[str], found: Sequence[torch.Tensor | None]) -> None:
         for name, grad in zip(names, found, strict=True):

@@ -180,7 +180,8 @@ def test_zb_h1_equals_unsplit(worlds, p, m, extra, seed):
 
 
 def test_zb_h1_with_remat_equals_unsplit(worlds):
-    """Remat stages are one autograd node: B runs their full backward (W is empty)."""
+    """Remat stages are one autograd node: B runs their full backward (W is empty), but
+    on stage 0, with no input gradient, B is empty and W the whole backward."""
     ids, tgt = _tokens(6, 3)
     _, loss, grads, _ = reference(_units(2), 4, ids, tgt, _loss)
 
