@@ -152,11 +152,14 @@ def _tokens(rows: int, seed: int):
 
 
 def _check(results, grads, loss):
+    seen = set()
     for got_loss, got_grads in results:
         assert_close(got_loss, loss)
         assert got_grads, "a rank with no gradients"
         for name, grad in got_grads.items():
             assert_close(grad, grads[name], msg=name)
+        seen |= set(got_grads)
+    assert seen == set(grads)  # every trainable leaf's gradient, on its rank
 
 
 @settings(max_examples=4, deadline=None)
