@@ -7,9 +7,11 @@ ranks (gloo, one thread per rank), measured in one run, interleaved in rounds. A
 is the forward and backward of the whole batch (MSE loss), no optimizer.
 
 Per schedule (GPipe, 1F1B, interleaved 1F1B with 2 stages per rank, ZB-H1) the table
-gives: median step time, shardfn's ratio to torch on the same schedule (target <= 1),
-the measured bubble (idle fraction of the span from the first to the last compute on
-any rank, median over the timed steps), the textbook bubble, the bubble simulated with
+gives: median step time, shardfn's ratio to torch on the same schedule (target <= 1:
+the median over the timed rounds of the paired ratio, shardfn's step over torch's in
+the same round, so that load drifting on a shared machine cancels out), the measured
+bubble (idle fraction of the span from the first to the last compute on any rank,
+median over the timed steps), the textbook bubble, the bubble simulated with
 the measured median F/B/W times, and the largest relative difference of the last
 step's gradients from torch GPipe's. Timelines of the last step are written as PNGs.
 
@@ -295,9 +297,20 @@ def _theory(name: str, cfg: Config, p: int, times: dict[str, float]) -> tuple[fl
     return textbook, simulate(schedule, t_f, t_b).bubble
 
 
+def paired_ratio(ours: list[float], theirs: list[float]) -> float:
+    """The median of ``ours[k] / theirs[k]`` over the rounds both ran (round ``k`` of each).
+
+    Example:
+        >>> paired_ratio([1.0, 2.0, 3.0], [1.0, 1.0, 3.0])
+        1.0
+    """
+    return statistics.median(a / b for a, b in zip(ours, theirs, strict=False))
+
+
 def table(results, bubbles: dict[str, dict], cfg: Config, p: int) -> str:
     """The markdown table (times in ms)."""
     medians = {r.key: statistics.median(r.times_s) for r in results if r.times_s and not r.error}
+    times = {r.key: r.times_s for r in results if r.times_s and not r.error}
     lines = ["| schedule | system | median ms | p25–p75 ms | ratio to torch | measured bubble "
              "| theory | simulated (measured F/B/W) | max rel diff of grads vs torch GPipe |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -309,8 +322,9 @@ def table(results, bubbles: dict[str, dict], cfg: Config, p: int) -> str:
             continue
         q = statistics.quantiles(r.times_s, n=4, method="inclusive") if len(r.times_s) > 1 \
             else [r.times_s[0]] * 3
-        peer = medians.get(f"torch-{name}")
-        ratio = f"{medians[r.key] / peer:.3f}" if r.key.startswith("sf-") and peer else "—"
+        peer = times.get(f"torch-{name}")
+        ratio = f"{paired_ratio(r.times_s, peer):.3f}" if r.key.startswith("sf-") and peer \
+            else "—"
         info = bubbles.get(r.key, {})
         textbook, simulated = _theory(name, cfg, p, info.get("times", {"F": 0, "B": 0, "W": 0}))
         measured = f"{info['bubble']:.1%}" if "bubble" in info else "—"
@@ -344,7 +358,7 @@ def rank_main(args: argparse.Namespace):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2, help="local CPU ranks (gloo)")
-    parser.add_argument("--steps", type=int, default=15, help="measured steps per system")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per system")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps per system")
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULE_NAMES),
                         choices=SCHEDULE_NAMES, help="schedules to run, in table order")

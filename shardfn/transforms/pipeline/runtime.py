@@ -30,9 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from torch.autograd.graph import get_gradient_edge
 
 import shardfn.memory as mem
+import shardfn.transforms.pipeline._weight_grad as wg
 from shardfn.primitives._comm import Axis
 from shardfn.transforms.pipeline._p2p import (
     NONE,
@@ -140,22 +140,23 @@ def split_microbatches(x: Any, m: int) -> list[Any]:
 class _Kept(NamedTuple):
     """One micro-batch's graph of one stage, from F to its last backward piece.
 
-    ``pieces`` are ``(root, names)``: the parameters ``names`` get their gradients
-    by differentiating ``root``. Without split backward there is one piece, the
-    stage's output (the scaled loss on the last stage) and all its parameters.
-    With split backward and a plain unit chain, one piece per unit: its output's
-    graph edge (``get_gradient_edge``: the node, not the data, so nothing is kept
-    alive that the graph would not keep) and its parameters (the last unit's root
-    is the stage's). ``B`` then asks autograd for the input gradient *and* the
-    gradients at the unit outputs, and ``W`` differentiates each unit's output
-    alone down to its own parameters, so ``W`` does not run the input-gradient
-    path through the stage again.
+    After F: ``x`` and ``out`` (``split`` and ``captured`` None). With split backward,
+    ``B`` replaces it by ``(None, out, split, captured)``: the graph analysis of
+    :mod:`._weight_grad` and the gradients recorded at its intermediates, which is
+    all ``W`` needs; by ``(None, outs, None, output gradients)`` when there was no
+    input gradient to compute (stage 0: ``W`` runs the whole backward, as torch's
+    first stage does); or by ``(None, None, None, None)`` when ``B`` ran the full
+    backward (``W`` then has nothing left to do). ``out`` is kept until ``W`` although
+    ``W`` does not need the graph above the intermediates: a kept graph is then whole
+    from F to its last piece, as the memory accounting (``peak_live`` times one
+    micro-batch's graph) counts it. Dropping it at ``B`` would free that graph tail
+    (on the last stage the loss's saved tensors and the last unit's output side).
     """
 
     x: Any  # the stage's input (a leaf requiring grad when it is floating and s > 0)
-    out: torch.Tensor  # the output, or the scaled loss on the last stage
-    pieces: tuple[tuple[Any, tuple[str, ...]], ...]  # (Tensor | GradientEdge | None, names)
-    piece_grads: tuple[torch.Tensor | None, ...] | None  # set by B (split backward)
+    out: Any  # the output(s), or the scaled loss on the last stage
+    split: wg.Split | None  # set by B (split backward): the graph analysis
+    captured: list | None  # set by B: gradients into split.intermediates
 
 
 class StepState:
@@ -224,20 +225,10 @@ class StepState:
     def _forward(self, s: int, i: int) -> None:
         plan = self.plan
         x = self.inputs[i] if s == 0 else grad_leaves(self.take("act", s - 1, i))
-        stage = plan.stages.stages[s]
-        units: list | None = None
         with torch.enable_grad():
-            if self.buffers is not None:  # one piece per stage (no per-unit split backward)
+            if self.buffers is not None:
                 out = self._forward_mutable(s, i, x)
-            elif plan.schedule.split_backward and plan.plain and plan.plain[s]:
-                units = []  # a unit output's graph edge, not the tensor: its data may be freed
-
-                def keep(h: Any) -> None:
-                    units.append(get_gradient_edge(h) if _needs_grad(h) and h is not x else
-                                 _SEVERAL if isinstance(h, (tuple, list)) else None)
-
-                out = plan.stages.forward(stage, self.leaves, x, keep=keep)
-            else:
+            else:  # split backward analyses the graph in B
                 out = plan.forwards[s](self.leaves, x)
             if s == plan.n_stages - 1:
                 loss = plan.loss_fn(out, self.targets[i])
@@ -250,12 +241,7 @@ class StepState:
         if s < plan.n_stages - 1:
             self.check_output(s, i, out)
             self.give("act", s, i, out)
-        if units is None or any(u is _SEVERAL for u in units[:-1]):
-            pieces = ((out, stage.trainable),)  # a tuple inside the stage: one piece
-        else:
-            pieces = (*zip(units[:-1], stage.unit_trainable[:-1], strict=True),
-                      (out, stage.unit_trainable[-1]))
-        self.kept[(s, i)] = _Kept(x, out, pieces, None)
+        self.kept[(s, i)] = _Kept(x, out, None, None)
         live = sum(1 for (stage, _) in self.kept if stage == s)
         self.peak_live[s] = max(self.peak_live[s], live)
         self.peak_held = max(self.peak_held, len(self.kept))
@@ -284,51 +270,59 @@ class StepState:
                     self.plan.rank, inferred=self.plan.declared is None)
 
     def backward(self, s: int, i: int, weights: bool) -> None:
-        """``B``: the input gradient, sent on; with ``weights`` also the parameter gradients
-        (the graph is then freed), else the gradients at the pieces' roots, kept for W."""
+        """``B``: the input gradient, sent on. With ``weights`` also the parameter gradients
+        (the graph is then freed); else (split backward) only the input gradient, with the
+        gradients at the intermediates recorded for ``W`` (:mod:`._weight_grad`). Without
+        an input gradient to compute (stage 0) ``B`` only keeps the output gradients and
+        ``W`` runs the whole backward. When the graph does not split (a remat or
+        transformed stage, an output not depending on the input), ``B`` runs the full
+        backward and ``W`` is empty: one backward is never slower than two halves."""
         kept = self.kept.pop((s, i))
         last = s == self.plan.n_stages - 1
         grad_out = None if last else self.take("grad", s + 1, i)
-        x_wrt = needing_grad(kept.x) if s > 0 else []
-        if weights:
-            names = kept.pieces[0][1]
-            wrt = x_wrt + [self.leaves[n] for n in names]
-        else:  # the roots of the pieces before the last, once each
-            roots = {_edge_key(r): r for r, names in kept.pieces[:-1]
-                     if names and r is not None}
-            wrt = x_wrt + list(roots.values())
-        found: Sequence[torch.Tensor | None] = [None] * len(wrt)
-        outs, outs_grads = grad_roots(kept.out, grad_out)
-        if wrt and outs and (last or grad_out is not None):
-            with mem.category(f"pipeline.stage{s}.backward"):
-                found = torch.autograd.grad(outs, wrt, grad_outputs=outs_grads,
-                                            retain_graph=not weights, allow_unused=True)
-        if s > 0:
-            self.give("grad", s, i, input_grads(kept.x, found[:len(x_wrt)]))
-        if weights:
-            self._accumulate(names, found[len(x_wrt):])
+        if last or grad_out is not None:
+            outs, grads_out = grad_roots(kept.out, grad_out)
+            grads_out = [None] * len(outs) if grads_out is None else grads_out
+        else:
+            outs, grads_out = [], []
+        xs = needing_grad(kept.x) if s > 0 else []
+        names = self.plan.stages.stages[s].trainable
+        params = [self.leaves[n] for n in names]
+        split = captured = None
+        if not weights and outs and not xs:  # nothing waits for this B: W does it all
+            self.kept[(s, i)] = _Kept(None, outs, None, grads_out)
+            if s > 0:
+                self.give("grad", s, i, input_grads(kept.x, []))
             return
-        by_root = {_edge_key(r): g for r, g in zip(wrt[len(x_wrt):], found[len(x_wrt):],
-                                                    strict=True)}
-        grads = tuple(None if r is None else by_root.get(_edge_key(r))
-                      for r, _ in kept.pieces[:-1]) + (grad_out,)
-        self.kept[(s, i)] = kept._replace(piece_grads=grads)
+        if not weights and outs and self.plan.plain and self.plan.plain[s]:
+            split = wg.plan_split(outs, xs, params)
+        found: Sequence[torch.Tensor | None] = [None] * len(xs)
+        with mem.category(f"pipeline.stage{s}.backward"):
+            if split is not None:
+                found, captured = wg.backward_input(split, outs, grads_out, xs)
+            elif outs and (xs or params):
+                found = torch.autograd.grad(outs, xs + params, grad_outputs=grads_out,
+                                            allow_unused=True)
+                self._accumulate(names, found[len(xs):])
+        if s > 0:
+            self.give("grad", s, i, input_grads(kept.x, found[:len(xs)]))
+        if not weights:  # out stays referenced until W (see _Kept)
+            self.kept[(s, i)] = _Kept(None, kept.out if split else None, split, captured)
 
     def weight_grads(self, s: int, i: int) -> None:
-        """``W``: each piece's parameter gradients from the gradient B found at its root."""
+        """``W``: the parameter gradients from the gradients ``B`` recorded at the
+        intermediates; only the parameter branches of the graph run, and it is freed."""
         kept = self.kept.pop((s, i))
-        last = s == self.plan.n_stages - 1
-        for k, ((root, names), grad) in enumerate(zip(kept.pieces, kept.piece_grads,
-                                                      strict=True)):
-            starts_here = last and k == len(kept.pieces) - 1  # the scaled loss itself
-            outs, outs_grads = grad_roots(root, grad) if root is not None else ([], None)
-            if not names or not outs or (grad is None and not starts_here):
-                continue
-            with mem.category(f"pipeline.stage{s}.backward"):
-                found = torch.autograd.grad(outs, [self.leaves[n] for n in names],
-                                            grad_outputs=outs_grads, retain_graph=True,
-                                            allow_unused=True)
-            self._accumulate(names, found)
+        names = self.plan.stages.stages[s].trainable
+        if kept.out is None or not names:
+            return  # B ran the full backward (or there is nothing to differentiate)
+        with mem.category(f"pipeline.stage{s}.backward"):
+            if kept.split is None:  # B had no input gradient to compute: the whole backward
+                found = torch.autograd.grad(kept.out, [self.leaves[n] for n in names],
+                                            grad_outputs=kept.captured, allow_unused=True)
+            else:
+                found = wg.backward_weights(kept.split, kept.captured)
+        self._accumulate(names, found)
 
     def _accumulate(self, names: Sequence[str], found: Sequence[torch.Tensor | None]) -> None:
         for name, grad in zip(names, found, strict=True):
@@ -359,15 +353,6 @@ class StepState:
                                  self.wait))
 
 
-_SEVERAL = object()  # a unit output that is a tuple (split backward keeps the stage whole)
-
-
-def _edge_key(edge: Any) -> tuple[int, int]:
-    return id(edge.node), edge.output_nr
-
-
-def _needs_grad(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.requires_grad
 
 
 def settle_and_raise(step_messenger: Messenger, owed, expected, error: BaseException,

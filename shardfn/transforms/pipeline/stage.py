@@ -45,7 +45,6 @@ class Stage:
         units: the unit indices it runs, in order.
         names: the leaves (parameters and buffers) of those units, full-tree names.
         trainable: the trainable parameters among ``names``.
-        unit_trainable: per unit (in ``units`` order), its trainable parameters.
     """
 
     index: int
@@ -53,7 +52,6 @@ class Stage:
     units: tuple[int, ...]
     names: tuple[str, ...]
     trainable: tuple[str, ...]
-    unit_trainable: tuple[tuple[str, ...], ...]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -86,16 +84,12 @@ class StagePlan:
         paths = [str(u) for stage in self.on_rank(rank) for u in stage.units]
         return self.full.init_subset(seed, paths, device=device, recurse=True)
 
-    def forward(self, stage: Stage, params: Mapping[str, torch.Tensor], x: Any,
-                keep: Callable[[Any], None] | None = None) -> Any:
-        """Run ``stage``'s units on ``x`` with ``params`` (at least the stage's leaves);
-        ``keep``, if given, is called with each unit's output as soon as it is made."""
+    def forward(self, stage: Stage, params: Mapping[str, torch.Tensor], x: Any) -> Any:
+        """Run ``stage``'s units on ``x`` with ``params`` (at least the stage's leaves)."""
         for unit in stage.units:
             prefix = f"{unit}."
             model = self.unit_models[unit]
             x = model.apply({name: params[prefix + name] for name in model.names}, x)
-            if keep is not None:
-                keep(x)
         return x
 
     def stage_forward(self, stage: Stage) -> Callable[[Mapping[str, torch.Tensor], Any], Any]:
@@ -227,8 +221,6 @@ def plan_stages(units: Sequence[nn.Module], balance: Sequence[int], n_ranks: int
         start += count
         prefixes = tuple(f"{u}." for u in unit_ids)
         names = tuple(n for n in full.names if n.startswith(prefixes))
-        per_unit = tuple(tuple(n for n in names if n in trainable and n.startswith(f"{u}."))
-                         for u in unit_ids)
         stages.append(Stage(index, stage_rank(index, n_ranks), unit_ids, names,
-                            tuple(n for n in names if n in trainable), per_unit))
+                            tuple(n for n in names if n in trainable)))
     return StagePlan(full, unit_models, tuple(stages), n_ranks)

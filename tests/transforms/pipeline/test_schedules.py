@@ -226,3 +226,39 @@ def test_simulate_errors_and_formula_names():
         simulate(make_schedule("1f1b", 2, 2), t_f=0.0)
     with pytest.raises(ValueError, match="unknown schedule"):
         theoretical_bubble("pipedream", 2, 4)
+
+
+def _torch_order(cls_name: str, p: int, m: int, v: int) -> list[list[str]] | None:
+    """torch's order per rank for schedule class ``cls_name`` (its idle slots dropped),
+    computed by its own per-rank method on a stand-in (no process group); None if torch
+    lacks it."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    method = getattr(getattr(schedules, cls_name, None), "_calculate_single_rank_operations",
+                     None)
+    if method is None:
+        return None
+    rounds = max(1, m // p)
+    holder = type("Stand", (), {"n_local_stages": v, "pp_group_size": p,
+                                "microbatches_per_round": m // rounds, "_n_microbatches": m})
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "B",
+             "BACKWARD_WEIGHT": "W"}
+    return [[f"{kinds[a.computation_type.name]}{a.stage_index}.{a.microbatch_index}"
+             for a in method(holder(), r) if a is not None] for r in range(p)]
+
+
+@pytest.mark.parametrize(("name", "cls_name", "v"), [
+    ("interleaved", "ScheduleInterleaved1F1B", 2), ("interleaved", "ScheduleInterleaved1F1B", 3),
+    ("zb-h1", "ScheduleInterleavedZeroBubble", 1)])
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_order_is_torchs(name, cls_name, v, p):
+    """Action for action, every rank's order is torch's (interleaved: ScheduleInterleaved1F1B;
+    zb-h1: ScheduleInterleavedZeroBubble with one stage per rank, its ZB-H1 order), so a
+    step-time gap between the two is not the order."""
+    for m in range(1, 9):
+        if name == "interleaved" and m % max(1, m // p):
+            continue
+        theirs = _torch_order(cls_name, p, m, v)
+        if theirs is None:
+            pytest.skip(f"torch's {cls_name} has no per-rank order method")
+        ours = make_schedule(name, p, m, v)
+        assert [_show(ours, r) for r in range(p)] == theirs, (p, m, v)
