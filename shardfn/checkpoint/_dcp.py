@@ -15,7 +15,8 @@ Checkpoint I/O runs on its own gloo process group, so an async save's
 collectives never interleave with the training step's.
 
 Example:
-    >>> run_save(staged, "ckpt.tmp-1", group)
+    >>> planner, plan = local_plan(staged, rank)     # plans: every rank's, all-gathered
+    >>> written = write_local(planner, plans, rank, "ckpt.tmp-1")
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from shardfn.checkpoint import _hooks
 from shardfn.checkpoint._layout import Entry
 
-__all__ = ["Reader", "Staged", "checkpoint_group", "run_load", "run_save"]
+__all__ = ["Reader", "Staged", "Written", "checkpoint_group", "local_plan", "run_load",
+           "write_local", "write_metadata"]
 
 
 class Staged(NamedTuple):
@@ -232,19 +234,69 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def run_save(staged: dict[str, Staged], path: str, group, thread_count: int = 1
-             ) -> dict[str, tuple[int, int]]:
-    """Write ``staged`` as a DCP checkpoint into the directory ``path`` (collective).
+def local_plan(staged: dict[str, Staged], rank: int) -> tuple[_SavePlanner, SavePlan]:
+    """This rank's planner over ``staged`` and its local DCP plan (sent to every rank in
+    the save's first agreement, so no rank needs DCP's own plan exchange)."""
+    planner = _SavePlanner()
+    planner.set_up_planner(staged, is_coordinator=rank == 0)
+    return planner, planner.create_local_plan()
 
-    Returns:
-        ``name -> (size, CRC-32)`` of the files this rank wrote, hashed as they were
-        written (the metadata file's entry is for its temporary name: hash it again).
+
+@contextlib.contextmanager
+def _no_record_crc(skip: bool) -> Iterator[None]:
+    """With ``skip``, ``torch.save`` writes no CRC-32 per zip record while the block runs:
+    the whole file's CRC-32 is computed anyway (``torch.load`` reads either). Process-wide,
+    so only a synchronous save (the caller's thread waits in it) uses it."""
+    before = torch.serialization.get_crc32_options()
+    if skip:
+        torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
+class Written(NamedTuple):
+    """What one rank's :func:`write_local` did.
+
+    Attributes:
+        metadata: DCP's global metadata (every rank computes it; rank 0 writes it).
+        results: this rank's DCP write results (where each item lies in its file).
+        digests: ``name -> (size, CRC-32)`` of this rank's data files, hashed as written.
     """
+
+    metadata: Metadata
+    results: list
+    digests: dict[str, tuple[int, int]]
+
+
+def write_local(planner: _SavePlanner, plans: list[SavePlan], rank: int, path: str,
+                thread_count: int = 1, fast: bool = False) -> Written:
+    """Write this rank's part of a DCP checkpoint into the directory ``path`` (no
+    collective): DCP's global plan (dedup of chunks several ranks hold, then validation)
+    is computed from every rank's local plan ``plans`` on each rank itself.
+
+    Args:
+        fast: skip ``torch.save``'s per-record CRC (see :func:`_no_record_crc`).
+    """
+    global_plans, metadata = planner.create_global_plan(plans)
     writer = _writer(path, thread_count)
-    with _quiet():
-        dcp.save(staged, storage_writer=writer, planner=_SavePlanner(),
-                 process_group=group, no_dist=group is None)
-    return dict(writer.fs.digests)
+    writer.set_up_storage_writer(rank == 0, rank=rank)
+    writer.prepare_local_plan(plans[rank])  # makes the directory
+    final = planner.finish_plan(writer.prepare_global_plan(global_plans)[rank])
+    with _quiet(), _no_record_crc(fast):
+        future = writer.write_data(final, planner)
+        future.wait()
+    return Written(metadata, future.value(), dict(writer.fs.digests))
+
+
+def write_metadata(path: str, metadata: Metadata, results: list[list]) -> tuple[int, int]:
+    """Write DCP's ``.metadata`` file (rank 0, once every rank's ``results`` are in);
+    returns its ``(size, CRC-32)``, hashed as written."""
+    writer = _writer(path, 1)
+    writer.set_up_storage_writer(True, rank=0)
+    writer.finish(metadata, results)
+    return writer.fs.digests[".metadata.tmp"]
 
 
 class Reader(FileSystemReader):

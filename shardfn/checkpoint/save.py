@@ -24,7 +24,13 @@ import torch.distributed as dist
 from shardfn import pytree
 from shardfn.checkpoint import _commit, _hooks
 from shardfn.checkpoint._agree import agree, local
-from shardfn.checkpoint._dcp import Staged, checkpoint_group, run_save
+from shardfn.checkpoint._dcp import (
+    Staged,
+    checkpoint_group,
+    local_plan,
+    write_local,
+    write_metadata,
+)
 from shardfn.checkpoint._layout import Entry, resolve
 from shardfn.checkpoint.errors import CheckpointError
 from shardfn.mesh import Mesh, get_mesh
@@ -121,15 +127,15 @@ def _snapshot(state):
                            if isinstance(x, torch.Tensor) else x, state)
 
 
-def _prepare(state, layouts, mesh: Mesh | None, rank: int
-             ) -> tuple[dict[str, Staged], dict[str, int]]:
-    """Resolve the layouts, stage views of ``state``'s chunks, digest its replicated leaves."""
+def _prepare(state, layouts, mesh: Mesh | None, rank: int) -> tuple[Any, Any, dict[str, int]]:
+    """Resolve the layouts, stage views of ``state``'s chunks and plan their DCP write
+    items, digest its replicated leaves; returns ``(planner, local plan, digests)``."""
     entries = resolve(state, layouts, mesh, rank)
     leaves = pytree.tree_leaves(state)
-    staged = stage(entries, leaves)
+    planner, plan = local_plan(stage(entries, leaves), rank)
     digests = {e.key: _digest(x) for e, x in zip(entries, leaves, strict=True)
                if e.replicated and e.key}
-    return staged, digests
+    return planner, plan, digests
 
 
 def _digest(x) -> int:
@@ -202,7 +208,7 @@ def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
     final = _commit.step_path(path, step) if step is not None else str(path)
     group = checkpoint_group()
     rank, world = _world(group)
-    staged: dict[str, Staged] = {}
+    prepared: tuple[Any, Any, dict[str, int]] = (None, None, {})
     info: dict[str, Any] = {}
     source = state
     with local() as outcome:  # the only part an async save runs before returning
@@ -212,27 +218,29 @@ def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
         if async_:  # the staging copy, and nothing else: layouts are read in the background
             source = _snapshot(state)
         else:
-            staged, digests = _prepare(state, layouts, the_mesh, rank)
-        outcome.payload = ({} if async_ else digests, uuid.uuid4().hex[:12])
+            prepared = _prepare(state, layouts, the_mesh, rank)
+        outcome.payload = uuid.uuid4().hex[:12]
 
     def write() -> str:
-        nonlocal staged
+        nonlocal prepared
         if async_ and outcome.error is None:
-            with local() as prepared:
-                staged, digests = _prepare(source, layouts, the_mesh, rank)
-                outcome.payload = (digests, outcome.payload[1])
-            outcome.error = prepared.error
+            with local() as background:
+                prepared = _prepare(source, layouts, the_mesh, rank)
+            outcome.error = background.error
         with local() as checked:
             if rank == 0 and os.path.exists(final) and not overwrite:
                 raise FileExistsError(f"checkpoint {final!r} already exists (overwrite=True "
                                       "replaces it)")
         if checked.error is not None and outcome.error is None:
             outcome.error = checked.error
+        planner, plan, digests = prepared
+        outcome.payload = (digests, outcome.payload, plan)
         payloads = agree(group, outcome, f"checkpoint save to {final!r} (staging)")
         _check_replicated([p[0] for p in payloads])
-        return _write_and_commit(staged, f"{final}.tmp-{payloads[0][1]}", final, group, info,
+        return _write_and_commit(planner, [p[2] for p in payloads],
+                                 f"{final}.tmp-{payloads[0][1]}", final, group, info,
                                  overwrite, (str(path), keep_last) if keep_last else None,
-                                 thread_count)
+                                 thread_count, not async_)
 
     if not async_:
         return write()
@@ -241,20 +249,27 @@ def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
     return handle
 
 
-def _write_and_commit(staged: dict[str, Staged], tmp: str, final: str, group,
-                      info: dict[str, Any], overwrite: bool, retention, thread_count: int) -> str:
+def _write_and_commit(planner, plans: list, tmp: str, final: str, group,
+                      info: dict[str, Any], overwrite: bool, retention, thread_count: int,
+                      fast: bool) -> str:
+    """Write this rank's files (the ranks' local ``plans`` are known to all: DCP's
+    global plan is made on each rank), agree, then rank 0 writes DCP's ``.metadata``
+    from every rank's write results, the commit marker, and renames; agree again."""
     rank, _ = _world(group)
     with local() as outcome:
-        written = run_save(staged, tmp, group, thread_count)
+        written = write_local(planner, plans, rank, tmp, thread_count, fast)
         _hooks.fire("before_commit", rank=rank)
-        outcome.payload = {name: written[name] if name in written else
-                           _commit.file_digest(Path(tmp) / name)
-                           for name in _commit.own_files(tmp, rank)}
+        outcome.payload = ({name: written.digests[name] if name in written.digests else
+                            _commit.file_digest(Path(tmp) / name)
+                            for name in _commit.own_files(tmp, rank) if name != ".metadata"},
+                           written.results)
     files: dict[str, tuple[int, int]] = {}
-    for part in agree(group, outcome, f"checkpoint save to {tmp!r} (writing)"):
-        files.update(part)
+    parts = agree(group, outcome, f"checkpoint save to {tmp!r} (writing)")
+    for digests, _ in parts:
+        files.update(digests)
     with local() as outcome:
         if rank == 0:
+            files[".metadata"] = write_metadata(tmp, written.metadata, [r for _, r in parts])
             _hooks.fire("commit", rank=rank)
             _commit.commit(tmp, final, files, info, overwrite)
             if retention is not None:
