@@ -31,7 +31,6 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -55,8 +54,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from shardfn.checkpoint import _hooks
 from shardfn.checkpoint._layout import Entry
 
-__all__ = ["Reader", "Staged", "Written", "checkpoint_group", "local_plan", "run_load",
-           "write_local", "write_metadata"]
+__all__ = ["Reader", "Staged", "Written", "checkpoint_group", "local_plan", "write_local",
+           "write_metadata"]
 
 
 class Staged(NamedTuple):
@@ -313,16 +312,3 @@ class Reader(FileSystemReader):
         if self.cached_metadata is None:
             self.cached_metadata = super().read_metadata()
         return self.cached_metadata
-
-
-def run_load(entries_with_views: list[tuple[Entry, dict | None]], reader: Reader, group
-             ) -> dict[str, _Target]:
-    """Read every given key of the checkpoint ``reader`` reads (collective); returns the
-    targets (tensor data lands in the views; objects in ``.value``)."""
-    targets = {e.key: _Target(e, views) for e, views in entries_with_views}
-    if not targets and group is None:
-        return targets
-    with _quiet():
-        dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(),
-                 process_group=group, no_dist=group is None)
-    return targets
