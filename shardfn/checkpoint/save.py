@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import uuid
 import zlib
@@ -32,12 +33,33 @@ from shardfn.checkpoint._dcp import (
     write_metadata,
 )
 from shardfn.checkpoint._layout import Entry, resolve
+from shardfn.checkpoint._staging import snapshot
 from shardfn.checkpoint.errors import CheckpointError
 from shardfn.mesh import Mesh, get_mesh
 
 __all__ = ["SaveHandle", "save", "wait_pending"]
 
 _PENDING: list[SaveHandle] = []
+
+
+_WORKER: list[tuple[int, queue.SimpleQueue]] = []  # [(pid, the save thread's queue)]
+
+
+def _submit(job) -> None:
+    """Run ``job`` on this process's save thread (started once, then reused: starting a
+    thread per save makes the caller wait for the new thread to take and give back the
+    GIL, milliseconds that the step would be blocked for)."""
+    if not _WORKER or _WORKER[0][0] != os.getpid():  # none yet, or a forked child
+        jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_serve, args=(jobs,), daemon=True,
+                         name="shardfn-checkpoint-save").start()
+        _WORKER[:] = [(os.getpid(), jobs)]
+    _WORKER[0][1].put(job)
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while True:
+        jobs.get()()
 
 
 class SaveHandle:
@@ -50,19 +72,20 @@ class SaveHandle:
     def __init__(self, path: str, work) -> None:
         self.path = path
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(work,), daemon=True,
-                                        name="shardfn-checkpoint-save")
-        self._thread.start()
+        self._done = threading.Event()
+        _submit(lambda: self._run(work))
 
     def _run(self, work) -> None:
         try:
             work()
         except BaseException as err:  # noqa: BLE001 - re-raised by wait()
             self._error = err
+        finally:
+            self._done.set()
 
     def done(self) -> bool:
         """Whether the save has finished (successfully or not)."""
-        return not self._thread.is_alive()
+        return self._done.is_set()
 
     def wait(self) -> str:
         """Block until the checkpoint is committed; returns its path.
@@ -70,7 +93,7 @@ class SaveHandle:
         Raises:
             CheckpointError: what the save raised (on every rank).
         """
-        self._thread.join()
+        self._done.wait()
         if self in _PENDING:
             _PENDING.remove(self)
         if self._error is not None:
@@ -104,7 +127,7 @@ def _mesh(mesh: Mesh | None) -> Mesh | None:
 
 def stage(entries: list[Entry], leaves: list) -> dict[str, Staged]:
     """One :class:`Staged` per saved key: views of each leaf's chunks (an async save stages
-    a CPU copy of the state first, see :func:`_snapshot`)."""
+    a CPU copy of the state first, see :func:`~shardfn.checkpoint._staging.snapshot`)."""
     if len(entries) != len(leaves):
         raise AssertionError(f"{len(entries)} entries for {len(leaves)} leaves")
     out = {}
@@ -119,12 +142,6 @@ def stage(entries: list[Entry], leaves: list) -> dict[str, Staged]:
             data[chunk.offsets] = chunk.view(x.detach())
         out[entry.key] = Staged(entry, data, None, x.dtype)
     return out
-
-
-def _snapshot(state):
-    """A copy of every tensor of ``state`` in CPU memory (the values at the call)."""
-    return pytree.tree_map(lambda x: x.detach().to("cpu", copy=True)
-                           if isinstance(x, torch.Tensor) else x, state)
 
 
 def _prepare(state, layouts, mesh: Mesh | None, rank: int) -> tuple[Any, Any, dict[str, int]]:
@@ -186,7 +203,9 @@ def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
         async_: copy the shards to CPU memory now, write them in a background thread,
             return a :class:`SaveHandle` (the step may go on and change ``state``); the
             ranks agree, check and write in that thread, so errors (a bad layout too)
-            are raised by ``handle.wait()``.
+            are raised by ``handle.wait()``. The CPU copy goes into buffers kept for
+            the next async save of the same shapes (no allocation then; freed by
+            :func:`~shardfn.checkpoint.release_staging`).
         overwrite: replace an existing checkpoint of the same name.
         thread_count: writer threads (files) per rank.
 
@@ -216,7 +235,7 @@ def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
         info = {"step": step, "world_size": world, "mesh": None if the_mesh is None else
                 dict(zip(the_mesh.axis_names, the_mesh.shape, strict=True))}
         if async_:  # the staging copy, and nothing else: layouts are read in the background
-            source = _snapshot(state)
+            source = snapshot(state)
         else:
             prepared = _prepare(state, layouts, the_mesh, rank)
         outcome.payload = uuid.uuid4().hex[:12]
