@@ -140,11 +140,12 @@ def rank_main(args: argparse.Namespace, root: str) -> dict:
         for key, fn, *a in copies[::1 if rep % 2 == 0 else -1]:
             dist.barrier()  # both timed on this rank alone, from the same barrier
             t0 = time.perf_counter()
-            handle = fn(*a)
+            result = fn(*a)
             times[key].append(time.perf_counter() - t0)
-            if handle is not None:
-                handle.wait()
+            if isinstance(result, ck.SaveHandle):
+                result.wait()
                 times["sf async (total)"].append(time.perf_counter() - t0)
+            del result  # the baseline's copies are freed after its timing
         loads = [("torch load", dcp.load, (torch_sd,), {"checkpoint_id": paths["torch"]}),
                  ("sf load", ck.load, (paths["sf"], state, mesh, layouts), {})]
         for key, fn, a, kw in loads[::1 if rep % 2 == 0 else -1]:
@@ -162,14 +163,13 @@ def rank_main(args: argparse.Namespace, root: str) -> dict:
             "params": sum(p.numel() for p in MLPModel(cfg).parameters())}
 
 
-def _plain_copy(state) -> None:
-    """The staging-copy baseline: a fresh CPU copy of every tensor, ``x.to("cpu",
-    copy=True)`` (it allocates, as a copy into new memory must)."""
+def _plain_copy(state) -> list[torch.Tensor]:
+    """The staging-copy baseline: a fresh CPU copy of every tensor, all held at once (as a
+    staging copy must be), ``x.to("cpu", copy=True)``: it allocates its memory."""
     import shardfn as sf
 
-    for x in sf.pytree.tree_leaves(state):
-        if isinstance(x, torch.Tensor):
-            x.detach().to("cpu", copy=True)
+    return [x.detach().to("cpu", copy=True) for x in sf.pytree.tree_leaves(state)
+            if isinstance(x, torch.Tensor)]
 
 
 def _async_save(path, state, mesh, layouts):

@@ -2,7 +2,8 @@
 
 A :class:`VerifyingReader` is DCP's file-system reader with its ``read_data``
 replaced: each file is read front to back, once; every stored item this rank
-needs is read whole (one read) and loaded from those bytes, and, for the files
+needs is read whole (one read) and loaded from those bytes (a plain tensor
+without ``torch.load``'s Python unpickler, :mod:`._zipread`), and, for the files
 this rank verifies, the bytes between them are read too, so the file's size
 and CRC-32 are computed on exactly the bytes read and compared with the
 manifest. A file that no rank reads is checked by one rank with a plain pass.
@@ -33,6 +34,7 @@ from torch.futures import Future
 
 from shardfn.checkpoint import _commit
 from shardfn.checkpoint._dcp import Reader, _LoadPlanner, _Target
+from shardfn.checkpoint._zipread import plain_tensor
 from shardfn.checkpoint.errors import CorruptCheckpointError
 
 __all__ = ["VerifyingReader", "assign_files", "read", "read_plan"]
@@ -102,13 +104,14 @@ class VerifyingReader(Reader):
                     else:  # not checked here (or items overlap): go to the item
                         verify = False
                         f.seek(offset)
-                    data = f.read(length)
-                    if verify:
-                        crc, pos = zlib.crc32(data, crc), pos + len(data)
-                    if len(data) != length:
+                    data = bytearray(length)
+                    got = f.readinto(data)
+                    if got != length:
                         raise CorruptCheckpointError(
                             f"checkpoint {str(self.path)!r}: file {name!r} is truncated: "
-                            f"{offset + len(data)} bytes, an item ends at {offset + length}")
+                            f"{offset + got} bytes, an item ends at {offset + length}")
+                    if verify:
+                        crc, pos = zlib.crc32(data, crc), pos + length
                     _load_item(data, items, planner)
                 while verify and (block := f.read(_BLOCK)):
                     crc, pos = zlib.crc32(block, crc), pos + len(block)
@@ -123,13 +126,15 @@ class VerifyingReader(Reader):
             self._check_whole(name)
 
 
-def _load_item(data: bytes, items: list[ReadItem], planner) -> None:
+def _load_item(data: bytearray, items: list[ReadItem], planner) -> None:
     """One stored item's bytes into every request for it (objects, or tensor chunks)."""
     if items[0].type == LoadItemType.BYTE_IO:
         for item in items:
             planner.load_bytes(item, io.BytesIO(data))
         return
-    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    tensor = plain_tensor(data)
+    if tensor is None:
+        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     for item in items:
         part = tensor
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths,
