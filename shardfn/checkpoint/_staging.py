@@ -41,8 +41,12 @@ def snapshot(state):
         _KEPT.append((signature, [torch.empty(x.shape, dtype=x.dtype, pin_memory=x.is_cuda)
                                   for x in tensors]))
     buffers = _KEPT[0][1]
-    if tensors:
-        torch._foreach_copy_(buffers, tensors)
+    on_cpu = [i for i, x in enumerate(tensors) if x.device.type == "cpu"]
+    if on_cpu:  # one call for all CPU tensors; others (GPU) copy one by one
+        torch._foreach_copy_([buffers[i] for i in on_cpu], [tensors[i] for i in on_cpu])
+    for buffer, x in zip(buffers, tensors, strict=True):
+        if x.device.type != "cpu":
+            buffer.copy_(x)
     copies = iter(buffers)
     return pytree.tree_unflatten(treedef, [next(copies) if isinstance(x, torch.Tensor) else x
                                            for x in leaves])
