@@ -22,13 +22,17 @@ import os
 import re
 import shutil
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
+try:  # zlib-ng's CRC-32: the same values as zlib's, several times faster (SIMD)
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # pragma: no cover - zlib-ng is optional
+    from zlib import crc32
+
 from shardfn.checkpoint.errors import CorruptCheckpointError, IncompleteCheckpointError
 
-__all__ = ["MARKER", "check_digest", "check_sizes", "commit", "file_digest", "latest",
+__all__ = ["MARKER", "check_digest", "check_sizes", "commit", "crc32", "file_digest", "latest",
            "own_files", "read_manifest", "retain", "step_path", "verify_files"]
 
 MARKER = ".shardfn_commit"
@@ -48,7 +52,7 @@ def file_digest(path: str | os.PathLike) -> tuple[int, int]:
     crc, size = 0, 0
     with open(path, "rb") as f:
         while block := f.read(_BLOCK):
-            crc = zlib.crc32(block, crc)
+            crc = crc32(block, crc)
             size += len(block)
     return size, crc
 

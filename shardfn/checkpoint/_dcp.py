@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import io
 import warnings
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -51,7 +50,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from shardfn.checkpoint import _hooks
+from shardfn.checkpoint import _commit, _hooks
 from shardfn.checkpoint._layout import Entry
 
 __all__ = ["Reader", "Staged", "Written", "checkpoint_group", "local_plan", "write_local",
@@ -182,7 +181,7 @@ class _HashingStream:
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        self.crc = zlib.crc32(view, self.crc)
+        self.crc = _commit.crc32(view, self.crc)
         self.size += len(view)
         return self._stream.write(data)
 

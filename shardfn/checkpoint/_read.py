@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import io
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +99,7 @@ class VerifyingReader(Reader):
                 for (offset, length), items in sorted(stored.items()):
                     if verify and offset >= pos:
                         gap = f.read(offset - pos)
-                        crc, pos = zlib.crc32(gap, crc), pos + len(gap)
+                        crc, pos = _commit.crc32(gap, crc), pos + len(gap)
                     else:  # not checked here (or items overlap): go to the item
                         verify = False
                         f.seek(offset)
@@ -111,10 +110,10 @@ class VerifyingReader(Reader):
                             f"checkpoint {str(self.path)!r}: file {name!r} is truncated: "
                             f"{offset + got} bytes, an item ends at {offset + length}")
                     if verify:
-                        crc, pos = zlib.crc32(data, crc), pos + length
+                        crc, pos = _commit.crc32(data, crc), pos + length
                     _load_item(data, items, planner)
                 while verify and (block := f.read(_BLOCK)):
-                    crc, pos = zlib.crc32(block, crc), pos + len(block)
+                    crc, pos = _commit.crc32(block, crc), pos + len(block)
         except CorruptCheckpointError:
             raise
         except Exception:

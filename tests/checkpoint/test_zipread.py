@@ -55,3 +55,16 @@ def test_declines_what_is_not_the_plain_case():
     buf[buf.find(b"_rebuild_tensor_v2")] ^= 0x01  # another global: refused, not called
     assert plain_tensor(buf) is None
     assert torch.equal(plain_tensor(_saved(base)), base)
+
+
+def test_checksum_is_zlibs_crc32():
+    """The checkpoint CRC-32 (zlib-ng's where installed) gives zlib's values, so either
+    verifies the other's checkpoints; on bytes, bytearrays and memoryviews, chained."""
+    import zlib
+
+    from shardfn.checkpoint._commit import crc32
+
+    data = bytes(range(256)) * 1000
+    for buf in (data, bytearray(data), memoryview(data).cast("B")):
+        assert crc32(buf) == zlib.crc32(data)
+        assert crc32(buf[100:], crc32(buf[:100])) == zlib.crc32(data)
