@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from shardfn.checkpoint import _commit, _hooks
 from shardfn.checkpoint._layout import Entry
+from shardfn.checkpoint._plan import global_plans, metadata_of
 
 __all__ = ["Reader", "Staged", "Written", "checkpoint_group", "local_plan", "write_local",
            "write_metadata"]
@@ -258,12 +259,12 @@ class Written(NamedTuple):
     """What one rank's :func:`write_local` did.
 
     Attributes:
-        metadata: DCP's global metadata (every rank computes it; rank 0 writes it).
+        plans: the global plans (the same on every rank; rank 0 writes their metadata).
         results: this rank's DCP write results (where each item lies in its file).
         digests: ``name -> (size, CRC-32)`` of this rank's data files, hashed as written.
     """
 
-    metadata: Metadata
+    plans: list[SavePlan]
     results: list
     digests: dict[str, tuple[int, int]]
 
@@ -271,29 +272,29 @@ class Written(NamedTuple):
 def write_local(planner: _SavePlanner, plans: list[SavePlan], rank: int, path: str,
                 thread_count: int = 1, fast: bool = False) -> Written:
     """Write this rank's part of a DCP checkpoint into the directory ``path`` (no
-    collective): DCP's global plan (dedup of chunks several ranks hold, then validation)
-    is computed from every rank's local plan ``plans`` on each rank itself.
+    collective): the global plan (dedup of chunks several ranks hold, chunk checks) is
+    made from every rank's local plan ``plans`` on each rank (:mod:`._plan`).
 
     Args:
         fast: skip ``torch.save``'s per-record CRC (see :func:`_no_record_crc`).
     """
-    global_plans, metadata = planner.create_global_plan(plans)
+    deduped = global_plans(plans)
     writer = _writer(path, thread_count)
     writer.set_up_storage_writer(rank == 0, rank=rank)
     writer.prepare_local_plan(plans[rank])  # makes the directory
-    final = planner.finish_plan(writer.prepare_global_plan(global_plans)[rank])
+    final = planner.finish_plan(writer.prepare_global_plan(deduped)[rank])
     with _quiet(), _no_record_crc(fast):
         future = writer.write_data(final, planner)
         future.wait()
-    return Written(metadata, future.value(), dict(writer.fs.digests))
+    return Written(deduped, future.value(), dict(writer.fs.digests))
 
 
-def write_metadata(path: str, metadata: Metadata, results: list[list]) -> tuple[int, int]:
-    """Write DCP's ``.metadata`` file (rank 0, once every rank's ``results`` are in);
-    returns its ``(size, CRC-32)``, hashed as written."""
+def write_metadata(path: str, plans: list[SavePlan], results: list[list]) -> tuple[int, int]:
+    """Write DCP's ``.metadata`` file for the global ``plans`` (rank 0, once every rank's
+    ``results`` are in); returns its ``(size, CRC-32)``, hashed as written."""
     writer = _writer(path, 1)
     writer.set_up_storage_writer(True, rank=0)
-    writer.finish(metadata, results)
+    writer.finish(metadata_of(plans), results)
     return writer.fs.digests[".metadata.tmp"]
 
 

@@ -288,7 +288,7 @@ def _write_and_commit(planner, plans: list, tmp: str, final: str, group,
         files.update(digests)
     with local() as outcome:
         if rank == 0:
-            files[".metadata"] = write_metadata(tmp, written.metadata, [r for _, r in parts])
+            files[".metadata"] = write_metadata(tmp, written.plans, [r for _, r in parts])
             _hooks.fire("commit", rank=rank)
             _commit.commit(tmp, final, files, info, overwrite)
             if retention is not None:
