@@ -103,8 +103,8 @@ class VerifyingReader(Reader):
                     else:  # not checked here (or items overlap): go to the item
                         verify = False
                         f.seek(offset)
-                    data = bytearray(length)
-                    got = f.readinto(data)
+                    data = memoryview(torch.empty(length, dtype=torch.uint8).numpy())
+                    got = f.readinto(data)  # into memory not zeroed first
                     if got != length:
                         raise CorruptCheckpointError(
                             f"checkpoint {str(self.path)!r}: file {name!r} is truncated: "
@@ -125,7 +125,7 @@ class VerifyingReader(Reader):
             self._check_whole(name)
 
 
-def _load_item(data: bytearray, items: list[ReadItem], planner) -> None:
+def _load_item(data: memoryview, items: list[ReadItem], planner) -> None:
     """One stored item's bytes into every request for it (objects, or tensor chunks)."""
     if items[0].type == LoadItemType.BYTE_IO:
         for item in items:

@@ -59,10 +59,12 @@ class _Unpickler(pickle.Unpickler):
         return tuple(pid)
 
 
-def _members(buf: bytearray) -> dict[str, tuple[int, int]] | None:
+def _members(buf: memoryview) -> dict[str, tuple[int, int]] | None:
     """``name -> (data start, size)`` of the members of a stored zip (None: another kind,
     zip64 included)."""
-    end = buf.rfind(b"PK\x05\x06", max(0, len(buf) - 65557))
+    tail = max(0, len(buf) - 65557)
+    end = bytes(buf[tail:]).rfind(b"PK\x05\x06")
+    end = end + tail if end >= 0 else -1
     if end < 0 or end + 22 > len(buf):
         return None
     entries, _, cd_offset = struct.unpack_from("<HII", buf, end + 10)
@@ -70,14 +72,14 @@ def _members(buf: bytearray) -> dict[str, tuple[int, int]] | None:
         return None
     members, pos = {}, cd_offset
     for _ in range(entries):
-        if pos + 46 > len(buf) or buf[pos:pos + 4] != b"PK\x01\x02":
+        if pos + 46 > len(buf) or bytes(buf[pos:pos + 4]) != b"PK\x01\x02":
             return None
         method, _, csize, usize, nlen, elen, clen = struct.unpack_from("<H4xIIIHHH", buf,
                                                                         pos + 10)
         local = struct.unpack_from("<I", buf, pos + 42)[0]
         name = bytes(buf[pos + 46:pos + 46 + nlen]).decode("utf-8", "replace")
         if method != 0 or csize != usize or local + 30 > len(buf) or \
-                buf[local:local + 4] != b"PK\x03\x04":
+                bytes(buf[local:local + 4]) != b"PK\x03\x04":
             return None
         lnlen, lelen = struct.unpack_from("<HH", buf, local + 26)
         start = local + 30 + lnlen + lelen
@@ -96,9 +98,11 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def plain_tensor(buf: bytearray) -> torch.Tensor | None:
-    """The tensor that the ``torch.save`` bytes ``buf`` hold, viewing ``buf``, when it is
-    the plain case (see the module); else None."""
+def plain_tensor(data) -> torch.Tensor | None:
+    """The tensor that the ``torch.save`` bytes ``data`` hold (a writable buffer: a
+    bytearray, a memoryview), viewing them, when it is the plain case (see the module);
+    else None."""
+    buf = memoryview(data).cast("B")
     members = _members(buf)
     pickles = [n for n in members or () if n.endswith("/data.pkl")]
     if len(pickles) != 1:
