@@ -68,3 +68,19 @@ def test_checksum_is_zlibs_crc32():
     for buf in (data, bytearray(data), memoryview(data).cast("B")):
         assert crc32(buf) == zlib.crc32(data)
         assert crc32(buf[100:], crc32(buf[:100])) == zlib.crc32(data)
+
+
+def test_a_checkpoint_load_reads_its_tensors_without_torch_load(tmp_path, monkeypatch):
+    """What DCP writes for shardfn is the plain case: ``torch.load`` only for objects."""
+    import shardfn.checkpoint as ck
+
+    state = {"w": torch.randn(6, 5), "b": torch.arange(4), "h": torch.ones(3).half(),
+             "step": 7}
+    path = ck.save(str(tmp_path / "c"), state)
+    calls = []
+    real = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(1) or real(*a, **k))
+    like = {"w": torch.zeros(6, 5), "b": torch.zeros(4, dtype=torch.int64),
+            "h": torch.zeros(3).half(), "step": 0}
+    torch.testing.assert_close(ck.load(path, like), state)
+    assert len(calls) == 1  # the step
