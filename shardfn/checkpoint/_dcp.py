@@ -5,11 +5,13 @@ rank's chunks of a global tensor, each with its global offsets, or a Python
 object). The save planner turns them into DCP ``WriteItem``s (chunk metadata:
 offsets, sizes, the global size and dtype), so the files and ``.metadata`` are
 a plain DCP checkpoint: ``dcp.load`` into full tensors, or
-``format_utils.dcp_to_torch_save``, read it without shardfn. Chunks that
-several ranks hold (replicated leaves) are written once (DCP's dedup). The
-load planner asks DCP's resharding helper which stored chunks overlap each of
-this rank's chunks and copies them straight into views of the new local
-tensors.
+``format_utils.dcp_to_torch_save``, read it without shardfn. DCP's storage
+writer writes the files; the plan exchange is shardfn's own (the local plans
+travel in the save's first rank agreement, :mod:`._plan` makes the global plan:
+chunks that several ranks hold, replicated leaves, are written once). The load
+planner asks DCP's resharding helper which stored chunks overlap each of this
+rank's chunks and copies them straight into views of the new local tensors
+(read by :mod:`._read`).
 
 Checkpoint I/O runs on its own gloo process group, so an async save's
 collectives never interleave with the training step's.
