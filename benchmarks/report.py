@@ -82,6 +82,8 @@ TARGETS = (
            "ratio sf/torch", "<=", 1.0),
     Target("ckpt", "sf.checkpoint load no slower than DCP + FSDP2", "load (s)",
            "ratio sf/torch", "<=", 1.0),
+    Target("ckpt", "sf.checkpoint async save blocks less than a fresh staging copy "
+           "(by 10% at least)", "async save, blocking", "ratio async/copy", "<=", 0.9),
 )
 
 

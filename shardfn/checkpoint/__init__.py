@@ -16,6 +16,7 @@ Example:
 
 from shardfn.checkpoint._commit import latest
 from shardfn.checkpoint._layout import OptLayout, PerRank, Skip
+from shardfn.checkpoint._staging import release_staging
 from shardfn.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -46,6 +47,7 @@ __all__ = [
     "load",
     "optimizer_from_torch",
     "optimizer_to_torch",
+    "release_staging",
     "save",
     "wait_pending",
 ]

@@ -5,17 +5,20 @@ rank's chunks of a global tensor, each with its global offsets, or a Python
 object). The save planner turns them into DCP ``WriteItem``s (chunk metadata:
 offsets, sizes, the global size and dtype), so the files and ``.metadata`` are
 a plain DCP checkpoint: ``dcp.load`` into full tensors, or
-``format_utils.dcp_to_torch_save``, read it without shardfn. Chunks that
-several ranks hold (replicated leaves) are written once (DCP's dedup). The
-load planner asks DCP's resharding helper which stored chunks overlap each of
-this rank's chunks and copies them straight into views of the new local
-tensors.
+``format_utils.dcp_to_torch_save``, read it without shardfn. DCP's storage
+writer writes the files; the plan exchange is shardfn's own (the local plans
+travel in the save's first rank agreement, :mod:`._plan` makes the global plan:
+chunks that several ranks hold, replicated leaves, are written once). The load
+planner asks DCP's resharding helper which stored chunks overlap each of this
+rank's chunks and copies them straight into views of the new local tensors
+(read by :mod:`._read`).
 
 Checkpoint I/O runs on its own gloo process group, so an async save's
 collectives never interleave with the training step's.
 
 Example:
-    >>> run_save(staged, "ckpt.tmp-1", group)
+    >>> planner, plan = local_plan(staged, rank)     # plans: every rank's, all-gathered
+    >>> written = write_local(planner, plans, rank, "ckpt.tmp-1")
 """
 
 from __future__ import annotations
@@ -23,14 +26,12 @@ from __future__ import annotations
 import contextlib
 import io
 import warnings
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -51,10 +52,12 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from shardfn.checkpoint import _hooks
+from shardfn.checkpoint import _commit, _hooks
 from shardfn.checkpoint._layout import Entry
+from shardfn.checkpoint._plan import global_plans, metadata_of
 
-__all__ = ["Reader", "Staged", "checkpoint_group", "run_load", "run_save"]
+__all__ = ["Reader", "Staged", "Written", "checkpoint_group", "local_plan", "write_local",
+           "write_metadata"]
 
 
 class Staged(NamedTuple):
@@ -181,7 +184,7 @@ class _HashingStream:
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        self.crc = zlib.crc32(view, self.crc)
+        self.crc = _commit.crc32(view, self.crc)
         self.size += len(view)
         return self._stream.write(data)
 
@@ -232,19 +235,69 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def run_save(staged: dict[str, Staged], path: str, group, thread_count: int = 1
-             ) -> dict[str, tuple[int, int]]:
-    """Write ``staged`` as a DCP checkpoint into the directory ``path`` (collective).
+def local_plan(staged: dict[str, Staged], rank: int) -> tuple[_SavePlanner, SavePlan]:
+    """This rank's planner over ``staged`` and its local DCP plan (sent to every rank in
+    the save's first agreement, so no rank needs DCP's own plan exchange)."""
+    planner = _SavePlanner()
+    planner.set_up_planner(staged, is_coordinator=rank == 0)
+    return planner, planner.create_local_plan()
 
-    Returns:
-        ``name -> (size, CRC-32)`` of the files this rank wrote, hashed as they were
-        written (the metadata file's entry is for its temporary name: hash it again).
+
+@contextlib.contextmanager
+def _no_record_crc(skip: bool) -> Iterator[None]:
+    """With ``skip``, ``torch.save`` writes no CRC-32 per zip record while the block runs:
+    the whole file's CRC-32 is computed anyway (``torch.load`` reads either). Process-wide,
+    so only a synchronous save (the caller's thread waits in it) uses it."""
+    before = torch.serialization.get_crc32_options()
+    if skip:
+        torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
+class Written(NamedTuple):
+    """What one rank's :func:`write_local` did.
+
+    Attributes:
+        plans: the global plans (the same on every rank; rank 0 writes their metadata).
+        results: this rank's DCP write results (where each item lies in its file).
+        digests: ``name -> (size, CRC-32)`` of this rank's data files, hashed as written.
     """
+
+    plans: list[SavePlan]
+    results: list
+    digests: dict[str, tuple[int, int]]
+
+
+def write_local(planner: _SavePlanner, plans: list[SavePlan], rank: int, path: str,
+                thread_count: int = 1, fast: bool = False) -> Written:
+    """Write this rank's part of a DCP checkpoint into the directory ``path`` (no
+    collective): the global plan (dedup of chunks several ranks hold, chunk checks) is
+    made from every rank's local plan ``plans`` on each rank (:mod:`._plan`).
+
+    Args:
+        fast: skip ``torch.save``'s per-record CRC (see :func:`_no_record_crc`).
+    """
+    deduped = global_plans(plans)
     writer = _writer(path, thread_count)
-    with _quiet():
-        dcp.save(staged, storage_writer=writer, planner=_SavePlanner(),
-                 process_group=group, no_dist=group is None)
-    return dict(writer.fs.digests)
+    writer.set_up_storage_writer(rank == 0, rank=rank)
+    writer.prepare_local_plan(plans[rank])  # makes the directory
+    final = planner.finish_plan(writer.prepare_global_plan(deduped)[rank])
+    with _quiet(), _no_record_crc(fast):
+        future = writer.write_data(final, planner)
+        future.wait()
+    return Written(deduped, future.value(), dict(writer.fs.digests))
+
+
+def write_metadata(path: str, plans: list[SavePlan], results: list[list]) -> tuple[int, int]:
+    """Write DCP's ``.metadata`` file for the global ``plans`` (rank 0, once every rank's
+    ``results`` are in); returns its ``(size, CRC-32)``, hashed as written."""
+    writer = _writer(path, 1)
+    writer.set_up_storage_writer(True, rank=0)
+    writer.finish(metadata_of(plans), results)
+    return writer.fs.digests[".metadata.tmp"]
 
 
 class Reader(FileSystemReader):
@@ -261,16 +314,3 @@ class Reader(FileSystemReader):
         if self.cached_metadata is None:
             self.cached_metadata = super().read_metadata()
         return self.cached_metadata
-
-
-def run_load(entries_with_views: list[tuple[Entry, dict | None]], reader: Reader, group
-             ) -> dict[str, _Target]:
-    """Read every given key of the checkpoint ``reader`` reads (collective); returns the
-    targets (tensor data lands in the views; objects in ``.value``)."""
-    targets = {e.key: _Target(e, views) for e, views in entries_with_views}
-    if not targets and group is None:
-        return targets
-    with _quiet():
-        dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(),
-                 process_group=group, no_dist=group is None)
-    return targets

@@ -421,11 +421,28 @@ def _opt_entries(node, source, name: str, mesh: Mesh, rank: int, ctx: dict, out:
                          p.replicated))
 
 
+_ROLES: dict = {}  # (optimizer, parameter treedef, dtypes) -> (state treedef, roles)
+
+
 def _roles(opt: GradientTransformation, params, part: FlatPartition, name: str, state
            ) -> list[int | None]:
-    treedef, roles, _ = state_roles(opt, params, part)
+    """Per state leaf, its parameter leaf (or None); memoized per optimizer, parameter
+    structure and dtypes (what ``state_roles``'s probe ``init`` depends on), so repeated
+    saves and loads do not re-run the optimizer's ``init``."""
+    try:
+        key = (opt, part.treedef, tuple(x.dtype for x in pytree.tree_leaves(params)))
+        hit = _ROLES.get(key)
+    except TypeError:  # an unhashable optimizer: no memo
+        key, hit = None, None
+    if hit is None:
+        hit = state_roles(opt, params, part)[:2]
+        if key is not None:
+            if len(_ROLES) >= 64:
+                _ROLES.clear()
+            _ROLES[key] = hit
+    treedef, roles = hit
     got = pytree.tree_structure(state)
     if got != treedef:
         raise ValueError(f"checkpoint: the optimizer state at {name!r} does not have the "
                          f"structure of its optimizer's init ({got} vs {treedef})")
-    return roles
+    return list(roles)

@@ -4,10 +4,14 @@
 ``opt.init(params)`` on the new mesh); ``layouts`` says how, as for ``save``.
 Every rank reads the stored chunks that overlap its own shards (DCP's
 resharding), so a checkpoint of ZeRO-3 on 4 ranks loads into 2 ranks, into
-ZeRO-1 or into one process. Before anything is read the checkpoint must be
-complete (its commit marker), its files must match their checksums (the ranks
-share the checking), and ``like`` must fit it: one error lists every missing,
-unexpected and mis-shaped leaf.
+ZeRO-1 or into one process. Before any data is read the checkpoint must be
+complete (its commit marker), its files must have their sizes, its metadata
+file its checksum, and ``like`` must fit it: one error lists every missing,
+unexpected and mis-shaped leaf. Each data file is read once: its checksum is
+checked on the bytes read (by the rank that reads most of it; a file no rank
+reads is checked by one rank), and a mismatch fails the load, naming the file.
+Two rank agreements in all: after planning (locally: no DCP collective), and
+after reading.
 
 Example:
     >>> like = {"params": model.init(0), "opt": opt.init(model.init(0)), "step": 0}
@@ -27,8 +31,9 @@ import torch
 from shardfn import pytree
 from shardfn.checkpoint import _commit
 from shardfn.checkpoint._agree import agree, local
-from shardfn.checkpoint._dcp import Reader, checkpoint_group, run_load
+from shardfn.checkpoint._dcp import _Target, checkpoint_group
 from shardfn.checkpoint._layout import Entry, resolve
+from shardfn.checkpoint._read import VerifyingReader, assign_files, file_bytes, read, read_plan
 from shardfn.checkpoint.errors import CheckpointMismatchError
 from shardfn.checkpoint.save import _mesh, _world, wait_pending
 from shardfn.mesh import Mesh
@@ -99,7 +104,7 @@ def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, 
             :class:`~shardfn.checkpoint.Skip`), and any objects.
         mesh: the mesh the layouts refer to (default: the current mesh, if any).
         layouts: layout sources as for :func:`~shardfn.checkpoint.save`, for this run.
-        verify: check every file's size and checksum first.
+        verify: check every file's size and checksum (on the bytes read).
 
     Returns:
         A new tree like ``like``: new tensors (``like``'s dtype, device and
@@ -117,34 +122,32 @@ def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, 
     path = _resolve_path(path)
     group = checkpoint_group()
     rank, world = _world(group)
-    with local() as outcome:
+    leaves, treedef = pytree.tree_flatten(like)
+    with local() as outcome:  # everything local: the manifest, the metadata, the read plan
         manifest = _commit.read_manifest(path)
         if verify:
-            names = sorted(manifest["files"])
-            _commit.verify_files(path, manifest, names[rank::world])
-    agree(group, outcome, f"checkpoint load of {str(path)!r} (checking files)")
-    leaves, treedef = pytree.tree_flatten(like)
-    with local() as outcome:
+            _commit.check_sizes(path, manifest, sorted(manifest["files"]))
+        reader = VerifyingReader(str(path), manifest if verify else None)
+        metadata = reader.read_metadata()
         entries = resolve(like, layouts, _mesh(mesh), rank)
-        per_rank = sorted(e.name for e in entries if e.key is not None and
-                          e.key.endswith(f"@rank{rank}"))
-        saved_world = manifest.get("world_size")
-        if per_rank and saved_world is not None and saved_world != world:
-            raise ValueError(f"checkpoint load: {per_rank} are PerRank leaves (one value per "
-                             f"rank), saved by {saved_world} ranks; this run has {world}, so "
-                             "they cannot be matched to ranks. Load them as Skip() (keep "
-                             "like's value) or save them replicated")
+        _check_per_rank(entries, manifest, rank, world)
+        targets = {e.key: _Target(e, None) for e in entries if e.key is not None}
+        planner = plan = None
+        if not mismatches(entries, leaves, metadata, (set(metadata.state_dict_metadata),
+                                                      {e.name for e in entries})):
+            planner, plan = read_plan(targets, reader, rank)
         outcome.payload = ({e.key for e in entries if e.key is not None},
-                           {e.name for e in entries})
+                           {e.name for e in entries},
+                           {} if plan is None else file_bytes(plan, reader))
     everyone = agree(group, outcome, f"checkpoint load of {str(path)!r} (layouts)")
     with local() as outcome:
-        elsewhere = (set().union(*(k for k, _ in everyone)), set().union(*(n for _, n in everyone)))
-        reader = Reader(str(path))
-        problems = mismatches(entries, leaves, reader.read_metadata(), elsewhere)
+        elsewhere = (set().union(*(k for k, _, _ in everyone)),
+                     set().union(*(n for _, n, _ in everyone)))
+        problems = mismatches(entries, leaves, metadata, elsewhere)
         if problems:
             raise CheckpointMismatchError(f"checkpoint {str(path)!r} does not fit like: "
                                           + " | ".join(problems))
-        fresh, todo = [], []
+        fresh = []
         for entry, x in zip(entries, leaves, strict=True):
             if entry.key is None:
                 fresh.append(x)
@@ -153,13 +156,13 @@ def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, 
                 local_tensor = (torch.empty if covered else torch.zeros)(
                     x.shape, dtype=x.dtype, device=x.device)  # zeros: the padding
                 fresh.append(local_tensor)
-                todo.append((entry, {c.offsets: c.view(local_tensor) for c in entry.chunks}))
+                targets[entry.key].views = {c.offsets: c.view(local_tensor)
+                                            for c in entry.chunks}
             else:
                 fresh.append(None)
-                todo.append((entry, None))
-    agree(group, outcome, f"checkpoint load of {str(path)!r}")
-    with local() as outcome:
-        targets = run_load(todo, reader, group)
+        data_files = sorted(n for n in manifest["files"] if n != ".metadata")
+        reader.assign(*assign_files(data_files, [f for _, _, f in everyone], rank))
+        read(planner, plan, reader)
         for i, (entry, x) in enumerate(zip(entries, leaves, strict=True)):
             if entry.key is not None and not entry.tensor:
                 fresh[i] = targets[entry.key].value
@@ -167,3 +170,15 @@ def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, 
                 fresh[i].requires_grad_(True)
     agree(group, outcome, f"checkpoint load of {str(path)!r} (reading)")
     return pytree.tree_unflatten(treedef, fresh)
+
+
+def _check_per_rank(entries: list[Entry], manifest, rank: int, world: int) -> None:
+    """PerRank leaves (one value per rank) load only into as many ranks as saved them."""
+    per_rank = sorted(e.name for e in entries if e.key is not None and
+                      e.key.endswith(f"@rank{rank}"))
+    saved_world = manifest.get("world_size")
+    if per_rank and saved_world is not None and saved_world != world:
+        raise ValueError(f"checkpoint load: {per_rank} are PerRank leaves (one value per "
+                         f"rank), saved by {saved_world} ranks; this run has {world}, so "
+                         "they cannot be matched to ranks. Load them as Skip() (keep "
+                         "like's value) or save them replicated")

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import uuid
 import zlib
@@ -24,14 +25,41 @@ import torch.distributed as dist
 from shardfn import pytree
 from shardfn.checkpoint import _commit, _hooks
 from shardfn.checkpoint._agree import agree, local
-from shardfn.checkpoint._dcp import Staged, checkpoint_group, run_save
+from shardfn.checkpoint._dcp import (
+    Staged,
+    checkpoint_group,
+    local_plan,
+    write_local,
+    write_metadata,
+)
 from shardfn.checkpoint._layout import Entry, resolve
+from shardfn.checkpoint._staging import snapshot
 from shardfn.checkpoint.errors import CheckpointError
 from shardfn.mesh import Mesh, get_mesh
 
 __all__ = ["SaveHandle", "save", "wait_pending"]
 
 _PENDING: list[SaveHandle] = []
+
+
+_WORKER: list[tuple[int, queue.SimpleQueue]] = []  # [(pid, the save thread's queue)]
+
+
+def _submit(job) -> None:
+    """Run ``job`` on this process's save thread (started once, then reused: starting a
+    thread per save makes the caller wait for the new thread to take and give back the
+    GIL, milliseconds that the step would be blocked for)."""
+    if not _WORKER or _WORKER[0][0] != os.getpid():  # none yet, or a forked child
+        jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_serve, args=(jobs,), daemon=True,
+                         name="shardfn-checkpoint-save").start()
+        _WORKER[:] = [(os.getpid(), jobs)]
+    _WORKER[0][1].put(job)
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while True:
+        jobs.get()()
 
 
 class SaveHandle:
@@ -44,19 +72,20 @@ class SaveHandle:
     def __init__(self, path: str, work) -> None:
         self.path = path
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(work,), daemon=True,
-                                        name="shardfn-checkpoint-save")
-        self._thread.start()
+        self._done = threading.Event()
+        _submit(lambda: self._run(work))
 
     def _run(self, work) -> None:
         try:
             work()
         except BaseException as err:  # noqa: BLE001 - re-raised by wait()
             self._error = err
+        finally:
+            self._done.set()
 
     def done(self) -> bool:
         """Whether the save has finished (successfully or not)."""
-        return not self._thread.is_alive()
+        return self._done.is_set()
 
     def wait(self) -> str:
         """Block until the checkpoint is committed; returns its path.
@@ -64,7 +93,7 @@ class SaveHandle:
         Raises:
             CheckpointError: what the save raised (on every rank).
         """
-        self._thread.join()
+        self._done.wait()
         if self in _PENDING:
             _PENDING.remove(self)
         if self._error is not None:
@@ -98,7 +127,7 @@ def _mesh(mesh: Mesh | None) -> Mesh | None:
 
 def stage(entries: list[Entry], leaves: list) -> dict[str, Staged]:
     """One :class:`Staged` per saved key: views of each leaf's chunks (an async save stages
-    a CPU copy of the state first, see :func:`_snapshot`)."""
+    a CPU copy of the state first, see :func:`~shardfn.checkpoint._staging.snapshot`)."""
     if len(entries) != len(leaves):
         raise AssertionError(f"{len(entries)} entries for {len(leaves)} leaves")
     out = {}
@@ -115,21 +144,15 @@ def stage(entries: list[Entry], leaves: list) -> dict[str, Staged]:
     return out
 
 
-def _snapshot(state):
-    """A copy of every tensor of ``state`` in CPU memory (the values at the call)."""
-    return pytree.tree_map(lambda x: x.detach().to("cpu", copy=True)
-                           if isinstance(x, torch.Tensor) else x, state)
-
-
-def _prepare(state, layouts, mesh: Mesh | None, rank: int
-             ) -> tuple[dict[str, Staged], dict[str, int]]:
-    """Resolve the layouts, stage views of ``state``'s chunks, digest its replicated leaves."""
+def _prepare(state, layouts, mesh: Mesh | None, rank: int) -> tuple[Any, Any, dict[str, int]]:
+    """Resolve the layouts, stage views of ``state``'s chunks and plan their DCP write
+    items, digest its replicated leaves; returns ``(planner, local plan, digests)``."""
     entries = resolve(state, layouts, mesh, rank)
     leaves = pytree.tree_leaves(state)
-    staged = stage(entries, leaves)
+    planner, plan = local_plan(stage(entries, leaves), rank)
     digests = {e.key: _digest(x) for e, x in zip(entries, leaves, strict=True)
                if e.replicated and e.key}
-    return staged, digests
+    return planner, plan, digests
 
 
 def _digest(x) -> int:
@@ -180,7 +203,9 @@ def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
         async_: copy the shards to CPU memory now, write them in a background thread,
             return a :class:`SaveHandle` (the step may go on and change ``state``); the
             ranks agree, check and write in that thread, so errors (a bad layout too)
-            are raised by ``handle.wait()``.
+            are raised by ``handle.wait()``. The CPU copy goes into buffers kept for
+            the next async save of the same shapes (no allocation then; freed by
+            :func:`~shardfn.checkpoint.release_staging`).
         overwrite: replace an existing checkpoint of the same name.
         thread_count: writer threads (files) per rank.
 
@@ -202,7 +227,7 @@ def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
     final = _commit.step_path(path, step) if step is not None else str(path)
     group = checkpoint_group()
     rank, world = _world(group)
-    staged: dict[str, Staged] = {}
+    prepared: tuple[Any, Any, dict[str, int]] = (None, None, {})
     info: dict[str, Any] = {}
     source = state
     with local() as outcome:  # the only part an async save runs before returning
@@ -210,29 +235,31 @@ def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
         info = {"step": step, "world_size": world, "mesh": None if the_mesh is None else
                 dict(zip(the_mesh.axis_names, the_mesh.shape, strict=True))}
         if async_:  # the staging copy, and nothing else: layouts are read in the background
-            source = _snapshot(state)
+            source = snapshot(state)
         else:
-            staged, digests = _prepare(state, layouts, the_mesh, rank)
-        outcome.payload = ({} if async_ else digests, uuid.uuid4().hex[:12])
+            prepared = _prepare(state, layouts, the_mesh, rank)
+        outcome.payload = uuid.uuid4().hex[:12]
 
     def write() -> str:
-        nonlocal staged
+        nonlocal prepared
         if async_ and outcome.error is None:
-            with local() as prepared:
-                staged, digests = _prepare(source, layouts, the_mesh, rank)
-                outcome.payload = (digests, outcome.payload[1])
-            outcome.error = prepared.error
+            with local() as background:
+                prepared = _prepare(source, layouts, the_mesh, rank)
+            outcome.error = background.error
         with local() as checked:
             if rank == 0 and os.path.exists(final) and not overwrite:
                 raise FileExistsError(f"checkpoint {final!r} already exists (overwrite=True "
                                       "replaces it)")
         if checked.error is not None and outcome.error is None:
             outcome.error = checked.error
+        planner, plan, digests = prepared
+        outcome.payload = (digests, outcome.payload, plan)
         payloads = agree(group, outcome, f"checkpoint save to {final!r} (staging)")
         _check_replicated([p[0] for p in payloads])
-        return _write_and_commit(staged, f"{final}.tmp-{payloads[0][1]}", final, group, info,
+        return _write_and_commit(planner, [p[2] for p in payloads],
+                                 f"{final}.tmp-{payloads[0][1]}", final, group, info,
                                  overwrite, (str(path), keep_last) if keep_last else None,
-                                 thread_count)
+                                 thread_count, not async_)
 
     if not async_:
         return write()
@@ -241,20 +268,27 @@ def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
     return handle
 
 
-def _write_and_commit(staged: dict[str, Staged], tmp: str, final: str, group,
-                      info: dict[str, Any], overwrite: bool, retention, thread_count: int) -> str:
+def _write_and_commit(planner, plans: list, tmp: str, final: str, group,
+                      info: dict[str, Any], overwrite: bool, retention, thread_count: int,
+                      fast: bool) -> str:
+    """Write this rank's files (the ranks' local ``plans`` are known to all: DCP's
+    global plan is made on each rank), agree, then rank 0 writes DCP's ``.metadata``
+    from every rank's write results, the commit marker, and renames; agree again."""
     rank, _ = _world(group)
     with local() as outcome:
-        written = run_save(staged, tmp, group, thread_count)
+        written = write_local(planner, plans, rank, tmp, thread_count, fast)
         _hooks.fire("before_commit", rank=rank)
-        outcome.payload = {name: written[name] if name in written else
-                           _commit.file_digest(Path(tmp) / name)
-                           for name in _commit.own_files(tmp, rank)}
+        outcome.payload = ({name: written.digests[name] if name in written.digests else
+                            _commit.file_digest(Path(tmp) / name)
+                            for name in _commit.own_files(tmp, rank) if name != ".metadata"},
+                           written.results)
     files: dict[str, tuple[int, int]] = {}
-    for part in agree(group, outcome, f"checkpoint save to {tmp!r} (writing)"):
-        files.update(part)
+    parts = agree(group, outcome, f"checkpoint save to {tmp!r} (writing)")
+    for digests, _ in parts:
+        files.update(digests)
     with local() as outcome:
         if rank == 0:
+            files[".metadata"] = write_metadata(tmp, written.plans, [r for _, r in parts])
             _hooks.fire("commit", rank=rank)
             _commit.commit(tmp, final, files, info, overwrite)
             if retention is not None:
