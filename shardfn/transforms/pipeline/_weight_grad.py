@@ -30,7 +30,7 @@ or an output requiring a gradient does not depend on the input.
 Example:
     >>> split = plan_split([out], [x], params)
     >>> (gx,), captured = backward_input(split, [out], [g_out], [x])
-    >>> grads = backward_weights(split, captured)   # aligned with params, None if unused
+    >>> backward_weights(split, captured, params)   # summed into each parameter's .grad
 """
 
 from __future__ import annotations
@@ -204,17 +204,21 @@ def backward_input(split: Split, outputs: Sequence[torch.Tensor],
     return found, captured
 
 
-def backward_weights(split: Split, captured: Captured) -> list[torch.Tensor | None]:
-    """``W``: every parameter's gradient, from the gradients ``B`` recorded.
+def backward_weights(split: Split, captured: Captured,
+                     params: Sequence[torch.Tensor]) -> None:
+    """``W``: every parameter's gradient, from the gradients ``B`` recorded, summed into
+    its ``.grad`` (autograd's accumulation: the first gradient is taken over, later
+    ones are added in place, so no step allocates a second full-size gradient).
 
-    One ``autograd.grad`` per group, from its intermediates' edges to its parameters'
-    ``AccumulateGrad`` edges. The graph is released as the groups are done (the last
-    call frees what is left).
+    One ``autograd.backward`` per group, from its intermediates' edges to its
+    parameters. The graph is released as the groups are done (the last call frees
+    what is left).
 
-    Returns:
-        Per parameter of :func:`plan_split` (in order), its gradient or None (unused).
+    Args:
+        split: :func:`plan_split` of this graph.
+        captured: what :func:`backward_input` recorded.
+        params: the leaves :func:`plan_split` was given, in the same order.
     """
-    grads: list[torch.Tensor | None] = [None] * len(split.param_nodes)
     for n_group, group in enumerate(split.groups):
         edges, seeds = [], []
         for k in group.intermediates:
@@ -229,13 +233,9 @@ def backward_weights(split: Split, captured: Captured) -> list[torch.Tensor | No
             clamps = [split.intermediates[k].register_prehook(
                 lambda _, saved=captured[k]: saved) for k in group.intermediates]
         try:
-            found = torch.autograd.grad(
-                edges, [GradientEdge(split.param_nodes[k], 0) for k in group.params],
-                grad_outputs=seeds, retain_graph=n_group < len(split.groups) - 1,
-                allow_unused=True)
+            torch.autograd.backward(edges, grad_tensors=seeds,
+                                    inputs=[params[k] for k in group.params],
+                                    retain_graph=n_group < len(split.groups) - 1)
         finally:
             for handle in clamps:
                 handle.remove()
-        for k, g in zip(group.params, found, strict=True):
-            grads[k] = g
-    return grads

@@ -181,11 +181,9 @@ class StepState:
         self.messenger = messenger
         self.local: dict[tuple, Any] = {}
         self.kept: dict[tuple[int, int], _Kept] = {}
-        self.grads = {n: None for st in plan.stages.on_rank(plan.rank) for n in st.trainable}
         self.loss: torch.Tensor | None = None
         self.peak_live: dict[int, int] = {st.index: 0 for st in plan.stages.on_rank(plan.rank)}
         self.peak_held = 0
-        self.owned: set[str] = set()  # gradients summed into a tensor of our own (in place)
         self.events: list[Event] = []
         self.wait = 0.0
         self.t0 = time.perf_counter()
@@ -300,10 +298,9 @@ class StepState:
         with mem.category(f"pipeline.stage{s}.backward"):
             if split is not None:
                 found, captured = wg.backward_input(split, outs, grads_out, xs)
-            elif outs and (xs or params):
-                found = torch.autograd.grad(outs, xs + params, grad_outputs=grads_out,
-                                            allow_unused=True)
-                self._accumulate(names, found[len(xs):])
+            elif outs and (xs or params):  # parameter gradients summed into their .grad
+                torch.autograd.backward(outs, grad_tensors=grads_out, inputs=xs + params)
+                found = [_take_grad(x) for x in xs]
         if s > 0:
             self.give("grad", s, i, input_grads(kept.x, found[:len(xs)]))
         if not weights:  # out stays referenced until W (see _Kept)
@@ -316,26 +313,12 @@ class StepState:
         names = self.plan.stages.stages[s].trainable
         if kept.out is None or not names:
             return  # B ran the full backward (or there is nothing to differentiate)
+        params = [self.leaves[n] for n in names]
         with mem.category(f"pipeline.stage{s}.backward"):
             if kept.split is None:  # B had no input gradient to compute: the whole backward
-                found = torch.autograd.grad(kept.out, [self.leaves[n] for n in names],
-                                            grad_outputs=kept.captured, allow_unused=True)
+                torch.autograd.backward(kept.out, grad_tensors=kept.captured, inputs=params)
             else:
-                found = wg.backward_weights(kept.split, kept.captured)
-        self._accumulate(names, found)
-
-    def _accumulate(self, names: Sequence[str], found: Sequence[torch.Tensor | None]) -> None:
-        for name, grad in zip(names, found, strict=True):
-            if grad is None:
-                continue
-            total = self.grads[name]
-            if total is None:
-                self.grads[name] = grad  # autograd's: may alias a tensor we do not own
-            elif name in self.owned:
-                total.add_(grad)
-            else:
-                self.grads[name] = total + grad
-                self.owned.add(name)
+                wg.backward_weights(kept.split, kept.captured, params)
 
     def run(self, action: Action) -> None:
         start, self.wait = time.perf_counter(), 0.0
@@ -413,10 +396,17 @@ def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
         where = (f"pipeline step on pp rank {plan.rank}, during {action_text(action)} of "
                  f"schedule {plan.schedule.name!r}")
         settle_and_raise(messenger, owed, expected, error, where)
-    grads = {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in step.grads.items()}
+    grads = {n: torch.zeros_like(leaves[n]) if leaves[n].grad is None else leaves[n].grad
+             for st in plan.stages.on_rank(plan.rank) for n in st.trainable}
     return step.loss, grads, StepReport(tuple(step.events), step.peak_live, step.peak_held,
                                         step.t0, messenger.header_first, step.seen,
                                         step.buffers)
+
+
+def _take_grad(x: torch.Tensor) -> torch.Tensor | None:
+    """The gradient autograd summed into stage input ``x``'s ``.grad``, taken off it."""
+    grad, x.grad = x.grad, None
+    return grad
 
 
 def action_text(action: Action | None) -> str:

@@ -84,7 +84,8 @@ def test_input_then_weights_equals_one_backward(d, rows, seed, tied):
     (gx,), captured = backward_input(split, [out], [g], [x])
     assert _Count.calls == 2  # B ran the input path once
     del out
-    got = backward_weights(split, captured)
+    backward_weights(split, captured, list(p.values()))
+    got = [t.grad for t in p.values()]
     # W runs no input-path node, except, for a tied weight, those between its two uses
     # (here the inner count; the clamp at the lower use keeps the values exact)
     assert _Count.calls == 2 + tied
