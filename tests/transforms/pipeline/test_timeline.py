@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import NamedTuple
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardfn.transforms.pipeline.report import Event
 from shardfn.transforms.pipeline.schedules import make_schedule
 from shardfn.transforms.pipeline.simulate import simulate
 from shardfn.transforms.pipeline.timeline import (
@@ -107,18 +107,9 @@ def test_gpipe_simulated_bubble_is_the_formula_through_the_timeline():
         assert measured_bubble(events) == pytest.approx((p - 1) / (m + p - 1))
 
 
-class _RuntimeEvent(NamedTuple):  # the shape of a runtime's own record
-    kind: str
-    stage: int
-    microbatch: int
-    start: float
-    end: float
-    wait: float
-
-
 def test_from_actions_splits_the_receive_wait():
-    events = from_actions(1, [_RuntimeEvent("F", 1, 0, 0.0, 3.0, 1.0),
-                              _RuntimeEvent("B", 1, 0, 3.0, 4.0, 0.0)], offset=100.0)
+    events = from_actions(1, [Event("F", 1, 0, 0.0, 3.0, 1.0),
+                              Event("B", 1, 0, 3.0, 4.0, 0.0)], offset=100.0)
     assert events == [TimelineEvent(1, "recv", 1, 0, 100.0, 101.0),
                       TimelineEvent(1, "F", 1, 0, 101.0, 103.0),
                       TimelineEvent(1, "B", 1, 0, 103.0, 104.0)]
