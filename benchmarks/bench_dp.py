@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _common import (
+    MALLOC_CACHE_ENV,
     MiB,
     Registry,
     System,
@@ -46,13 +47,6 @@ from _common import (
 from torch import nn
 
 SYSTEMS = Registry()
-# glibc settings for --malloc-cache: serve every allocation from the heap and never give it
-# back, so a freed 65 MiB buffer is reused instead of unmapped and faulted in again.
-MALLOC_CACHE_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": str(2**32),
-    "MALLOC_TRIM_THRESHOLD_": str(2**36),
-    "MALLOC_TOP_PAD_": str(2**30),
-}
 
 
 # ----------------------------------------------------------------------------- model and data

@@ -44,7 +44,14 @@ if importlib.util.find_spec("shardfn") is None:  # run from a checkout without `
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import Registry, System, machine_info, run_interleaved, storage_bytes
+from _common import (
+    MALLOC_CACHE_ENV,
+    Registry,
+    System,
+    machine_info,
+    run_interleaved,
+    storage_bytes,
+)
 from torch import nn
 
 from shardfn.transforms.pipeline.balance import balance_units
@@ -229,6 +236,7 @@ def _sf_system(ctx: Context, name: str, wrong: bool = False) -> System:
 
     def step(i: int) -> None:
         x, y = ctx.batches[i]
+        last["grads"] = {}  # freed before the step, as torch's rows set .grad = None
         _, grads, report = pp.value_and_grad(params, x, y, report=True)
         if wrong:  # the micro-batch sum without the 1/m: the gradient column must show it
             grads = {k: g * ctx.cfg.microbatches for k, g in grads.items()}
@@ -366,6 +374,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--wrong", action="store_true",
                         help="add a deliberately wrong row (1F1B gradients times m) to show "
                              "the gradient column catches it")
+    parser.add_argument("--malloc-cache", action="store_true",
+                        help="start the ranks with glibc malloc keeping freed memory (no mmap, "
+                             "no trim), so fresh large tensors do not page-fault (both systems)")
     parser.add_argument("--img-dir", default=None,
                         help="where the timeline PNGs go (default docs/img; --quick: a "
                              "temporary directory)")
@@ -384,8 +395,12 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in nn.Sequential(
         *[Block(cfg.d, cfg.hidden) for _ in range(cfg.blocks)], nn.Linear(cfg.d, cfg.d))
         .parameters())
+    if args.malloc_cache:  # read by glibc when the spawned ranks start
+        os.environ.update(MALLOC_CACHE_ENV)
+    malloc = " ".join(f"{k}={os.environ[k]}" for k in MALLOC_CACHE_ENV if k in os.environ)
     print(f"$ {' '.join([os.path.relpath(sys.executable), *sys.argv])}")
     print(machine_info())
+    print(f"malloc: {malloc or 'glibc defaults'}")
     print(f"model: {cfg.blocks} blocks + projection, d={cfg.d}, hidden={cfg.hidden}, "
           f"{n_params / 1e6:.2f}M params; batch {cfg.batch}x{cfg.tokens}x{cfg.d}, "
           f"{cfg.microbatches} micro-batches; {args.ranks} ranks; {args.warmup}+{args.steps} "
