@@ -132,6 +132,10 @@ def declared_entries(declared: DeclaredValue | None) -> list[Declared | None]:
 _ALIGN = 16  # bytes: a packed payload's offset suits every dtype's view
 
 
+def _nbytes(entry: Declared) -> int:
+    return math.prod(entry.shape) * entry.dtype.itemsize
+
+
 def packed_layout(declared: list[Declared | None]) -> tuple[list[int | None], int, int]:
     """``(offsets, header offset, total bytes)`` of a packed message with these payloads.
 
@@ -146,8 +150,7 @@ def packed_layout(declared: list[Declared | None]) -> tuple[list[int | None], in
             offsets.append(None)
             continue
         offsets.append(at)
-        nbytes = math.prod(entry.shape) * entry.dtype.itemsize
-        at += -(-nbytes // _ALIGN) * _ALIGN
+        at += -(-_nbytes(entry) // _ALIGN) * _ALIGN
     return offsets, at, at + _FULL_LEN * 4
 
 
@@ -256,8 +259,9 @@ class Messenger:
                                  "(from shapes=, or inferred by the first call with this batch: "
                                  "shapes='dynamic' exchanges shapes with every message)")
             payloads += [None] * (len(declared) - len(payloads))
-            self._send_packed(key, dst, declared, _header(status, container, entries),
-                              payloads, error if status == ERROR else None)
+            self._send_packed(key, dst, (header_tag, text_tag), declared,
+                              _header(status, container, entries), payloads,
+                              error if status == ERROR else None)
             return
         self.header_first += int(any(e is not None for e in payloads))
         full = _header(status, container, entries)
@@ -274,43 +278,41 @@ class Messenger:
                 ops.append(dist.P2POp(dist.isend, payload, group=self.ax.group,
                                       group_peer=dst, tag=tag))
         if status == ERROR:
-            text = torch.frombuffer(bytearray(error.encode()[:_MAX_TEXT] or b" "),
-                                    dtype=torch.uint8).to(self.device)
-            header[3] = text.numel()
-            ops.append(dist.P2POp(dist.isend, text, group=self.ax.group, group_peer=dst,
-                                  tag=text_tag))
-        works = self._post(ops, f"pipeline send {key} to pp {dst}")
-        self.pending[(key, dst)] = (works, [op.tensor for op in ops])
-        self.sent.add((key, dst))
+            ops.append(self._error_text(header, error, dst, text_tag))
+        self._post_sends(key, dst, ops)
 
-    def _send_packed(self, key: Key, dst: int, declared: list[Declared | None],
-                     header: torch.Tensor, payloads: list[torch.Tensor | None],
-                     error: str | None) -> None:
+    def _send_packed(self, key: Key, dst: int, tags: tuple[int, int],
+                     declared: list[Declared | None], header: torch.Tensor,
+                     payloads: list[torch.Tensor | None], error: str | None) -> None:
         """One transfer: the declared payloads (zeros where ``payloads`` has None) and the
         header in one buffer; then the error text, if any."""
-        header_tag, text_tag, _, _ = self._tags(key)
+        header_tag, text_tag = tags
         offsets, at, total = packed_layout(declared)
         buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
         for entry, offset, payload in zip(declared, offsets, payloads, strict=True):
             if entry is None:
                 continue
-            nbytes = math.prod(entry.shape) * entry.dtype.itemsize
+            nbytes = _nbytes(entry)
             stats.record(self.ax.key, "pipeline_send", nbytes)
             region = buffer[offset:offset + nbytes]
             if payload is None:
                 region.zero_()
             else:
                 region.copy_(payload.reshape(-1).view(torch.uint8))
-        ops = []
-        if error is not None:
-            text = torch.frombuffer(bytearray(error.encode()[:_MAX_TEXT] or b" "),
-                                    dtype=torch.uint8).to(self.device)
-            header[3] = text.numel()
-            ops.append(dist.P2POp(dist.isend, text, group=self.ax.group, group_peer=dst,
-                                  tag=text_tag))
-        buffer[at:].copy_(header.view(torch.uint8))
-        ops.insert(0, dist.P2POp(dist.isend, buffer, group=self.ax.group, group_peer=dst,
-                                 tag=header_tag))
+        text = [] if error is None else [self._error_text(header, error, dst, text_tag)]
+        buffer[at:].copy_(header.view(torch.uint8))  # after the text length went in
+        self._post_sends(key, dst, [dist.P2POp(dist.isend, buffer, group=self.ax.group,
+                                               group_peer=dst, tag=header_tag), *text])
+
+    def _error_text(self, header: torch.Tensor, error: str, dst: int, tag: int) -> dist.P2POp:
+        """The send of an error's text (UTF-8, at most ``_MAX_TEXT`` bytes); its length goes
+        into ``header``."""
+        text = torch.frombuffer(bytearray(error.encode()[:_MAX_TEXT] or b" "),
+                                dtype=torch.uint8).to(self.device)
+        header[3] = text.numel()
+        return dist.P2POp(dist.isend, text, group=self.ax.group, group_peer=dst, tag=tag)
+
+    def _post_sends(self, key: Key, dst: int, ops: list) -> None:
         works = self._post(ops, f"pipeline send {key} to pp {dst}")
         self.pending[(key, dst)] = (works, [op.tensor for op in ops])
         self.sent.add((key, dst))
@@ -324,8 +326,7 @@ class Messenger:
                                    tag=header_tag)], description)
         status, container, found, text_len = _decode(buffer[at:].view(torch.int32).cpu())
         entries = [None if d is None or j >= len(declared) or declared[j] is None else
-                   buffer[offsets[j]:offsets[j] + math.prod(d.shape) * d.dtype.itemsize]
-                   .view(d.dtype).view(d.shape)
+                   buffer[offsets[j]:offsets[j] + _nbytes(d)].view(d.dtype).view(d.shape)
                    for j, d in enumerate(found)]
         return self._finish_recv(key, src, status, container, entries, text_len, text_tag)
 

@@ -62,13 +62,12 @@ class Split(NamedTuple):
 
     Attributes:
         intermediates: the input-path nodes where parameter paths join it.
-        groups: the parameter groups, each differentiated by one ``autograd.grad`` in W.
-        param_nodes: each parameter's ``AccumulateGrad`` node (None: not in the graph).
+        groups: the parameter groups, each differentiated by one ``autograd.backward``
+            in W.
     """
 
     intermediates: tuple[Node, ...]
     groups: tuple[Group, ...]
-    param_nodes: tuple[Node | None, ...]
 
 
 def graph_node(t: torch.Tensor) -> Node | None:
@@ -140,7 +139,7 @@ def plan_split(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
         if node is not None and node in consumers:  # else unused: no gradient
             met[k] = _forward_closure([node], consumers, input_path)[1]
     intermediates = tuple(dict.fromkeys(n for k in sorted(met) for n in met[k]))
-    return Split(intermediates, _components(met, intermediates), param_nodes)
+    return Split(intermediates, _components(met, intermediates))
 
 
 def _components(met: dict[int, set[Node]], intermediates: tuple[Node, ...]

@@ -189,9 +189,10 @@ class PipelineModel:
 
         key = signature(inputs, targets, self.schedule.n_microbatches) \
             if self.infer_shapes else None
-        loss, grads, step_report = run_step(self.plan, prepare, inputs, targets,
-                                            self.shape_cache.get(key), mutable)
-        if self.shape_cache.get(key) is None:
+        inferred = self.shape_cache.get(key)
+        loss, grads, step_report = run_step(self.plan, prepare, inputs, targets, inferred,
+                                            mutable)
+        if inferred is None:
             self.shape_cache.put(key, step_report.shapes)
         if self.dp_axis is not None and self.stage_models:  # the transform reduced them
             loss = collectives.pmean(loss, self.dp_axis, mesh=self.mesh)
@@ -217,8 +218,9 @@ class PipelineModel:
 
         key = signature(inputs, None, self.schedule.n_microbatches) if self.infer_shapes \
             else None
-        out, shapes = run_forward(self.plan, prepare, inputs, self.shape_cache.get(key))
-        if self.shape_cache.get(key) is None:
+        inferred = self.shape_cache.get(key)
+        out, shapes = run_forward(self.plan, prepare, inputs, inferred)
+        if inferred is None:
             self.shape_cache.put(key, shapes)
         return out
 

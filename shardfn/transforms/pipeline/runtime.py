@@ -7,10 +7,12 @@
   stage computes ``loss_fn(out, targets_i) * n_i / batch`` (so the sum over
   micro-batches is the mean over the whole batch).
 * ``B``: the output gradient is received from stage ``s + 1`` (or the backward
-  starts from the scaled loss); ``torch.autograd.grad`` gives the input gradient,
-  sent to stage ``s - 1``, and the parameter gradients, accumulated. The graph is
-  then freed. With ``split_backward`` ``B`` keeps the graph and computes only the
-  input gradient; ``W`` computes the parameter gradients later and frees it.
+  starts from the scaled loss); ``torch.autograd.backward`` gives the input
+  gradient, sent to stage ``s - 1``, and sums the parameter gradients into the
+  stage leaves' ``.grad`` (autograd's accumulation, in place after the first
+  micro-batch). The graph is then freed. With ``split_backward`` ``B`` keeps the
+  graph and computes only the input gradient; ``W`` computes the parameter
+  gradients later (:mod:`._weight_grad`) and frees it.
 
 Receives block, sends are non-blocking (:mod:`._p2p`) and all waited before
 the step returns. On any error (a stage raising, a declared shape not met, a
@@ -76,8 +78,8 @@ class StepPlan:
         declared: per stage boundary ``s`` (output of stage ``s``), its declared
             per-micro-batch shape and dtype (a tuple of them for a tuple output), or None
             (exchanged in headers, or inferred: see ``inferred`` of :func:`run_step`).
-        plain: per stage, whether ``forwards[s]`` is the plain unit chain, whose unit
-            outputs split backward can use (see :class:`_Kept`).
+        plain: per stage, whether ``forwards[s]`` is the plain unit chain (no remat, no
+            ``stage_transform``), whose autograd graph split backward can analyse.
         device: where messages are allocated (the mesh's device).
         mutable_forwards: per stage, ``fn(params, x) -> (out, new_buffers)`` (for
             ``mutable=True`` steps; empty: not supported).

@@ -22,6 +22,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from shardfn.transforms.pipeline._p2p import (
+    Declared,
     DeclaredValue,
     declared_entries,
     declared_of_value,
@@ -41,8 +42,7 @@ def grad_declared(found: DeclaredValue) -> DeclaredValue | None:
                else None for d in declared_entries(found)]
     if all(d is None for d in entries):
         return None  # no payload: the header alone
-    return tuple(entries) if isinstance(found, tuple) and not hasattr(found, "dtype") \
-        else entries[0]
+    return entries[0] if isinstance(found, Declared) else tuple(entries)
 
 
 def detach(value: Any) -> Any:
@@ -95,8 +95,8 @@ def grad_roots(out: Any, grad: Any) -> tuple[list, list | None]:
 
 def mismatch(found: DeclaredValue, declared: DeclaredValue) -> tuple[str, str, str] | None:
     """``(where, what it is, what was declared)`` of the first difference, or None."""
-    one = not isinstance(declared, tuple) or hasattr(declared, "dtype")
-    if one != (not isinstance(found, tuple) or hasattr(found, "dtype")):
+    one = isinstance(declared, Declared)  # one tensor, not a tuple of entries
+    if one != isinstance(found, Declared):
         return "", _text(found, "shape "), _text(declared)
     got, want = declared_entries(found), declared_entries(declared)
     if len(got) != len(want):
@@ -110,7 +110,7 @@ def mismatch(found: DeclaredValue, declared: DeclaredValue) -> tuple[str, str, s
 def _text(d: Any, prefix: str = "") -> str:
     if d is None:
         return "no tensor" if prefix else "None"
-    if isinstance(d, tuple) and not hasattr(d, "dtype"):
+    if not isinstance(d, Declared):  # a tuple of entries
         return prefix + "(" + ", ".join(_text(e) for e in d) + ")"
     return f"{prefix}{tuple(d.shape)} {d.dtype}"
 
