@@ -27,7 +27,7 @@ from typing import Any
 
 try:  # zlib-ng's CRC-32: the same values as zlib's, several times faster (SIMD)
     from zlib_ng.zlib_ng import crc32
-except ImportError:  # pragma: no cover - zlib-ng is optional
+except ImportError:  # pragma: no cover - a dependency; zlib's (same values) without it
     from zlib import crc32
 
 from shardfn.checkpoint.errors import CorruptCheckpointError, IncompleteCheckpointError

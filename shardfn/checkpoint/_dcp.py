@@ -302,7 +302,8 @@ def write_metadata(path: str, plans: list[SavePlan], results: list[list]) -> tup
 
 class Reader(FileSystemReader):
     """A DCP reader of one checkpoint that reads its metadata file once: ``load`` checks
-    ``like`` against it, then DCP's own load plan asks for it again."""
+    ``like`` against it, then the local read plan (:func:`._read.read_plan`) asks for it
+    again."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
