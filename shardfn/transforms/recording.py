@@ -59,7 +59,7 @@ from shardfn._torch_internals import (
     torch_tree_unflatten,
     unwrap_functorch,
 )
-from shardfn.transforms._tp_rng import StreamsState, replay_streams, streams_state
+from shardfn.transforms._tp_rng import StreamsState, replay_streams, set_streams, streams_state
 
 __all__ = [
     "CASTS",
@@ -73,6 +73,7 @@ __all__ = [
     "base_tensor",
     "replay_rng",
     "rng_state",
+    "set_rng",
     "signature",
     "storage_ptr",
     "tag",
@@ -388,7 +389,19 @@ def rng_state(tensors=()) -> RngState:
 def replay_rng(state: RngState) -> Iterator[None]:
     """Run a block from ``state``; the RNG state before the block is restored after it."""
     with torch.random.fork_rng(devices=list(state.cuda)), replay_streams(state.split):
-        torch.set_rng_state(state.cpu)
-        for index, cuda_state in state.cuda.items():
-            torch.cuda.set_rng_state(cuda_state, index)
+        _set_generators(state)
         yield
+
+
+def _set_generators(state: RngState) -> None:
+    torch.set_rng_state(state.cpu)
+    for index, cuda_state in state.cuda.items():
+        torch.cuda.set_rng_state(cuda_state, index)
+
+
+def set_rng(state: RngState) -> None:
+    """Set the RNG state to ``state`` for good: the generators, and the current
+    ``TensorSplitModel.apply`` call's per-rank streams (as a unit call left them in
+    forward, when its replay is skipped)."""
+    _set_generators(state)
+    set_streams(state.split)

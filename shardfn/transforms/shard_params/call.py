@@ -23,7 +23,7 @@ import torch
 
 from shardfn._torch_internals import is_functorch_wrapped
 from shardfn.primitives import autocast_state
-from shardfn.transforms.recording import RngState, rng_state
+from shardfn.transforms.recording import RngState, rng_state, set_rng
 from shardfn.transforms.shard_params.accumulator import Accumulator, NoReduce
 from shardfn.transforms.shard_params.backward import Backward
 from shardfn.transforms.shard_params.deferred import DeferredReductions
@@ -39,7 +39,6 @@ from shardfn.transforms.shard_params.tree import (
     is_float,
     plain,
     recorded_vjp,
-    set_rng,
 )
 from shardfn.transforms.shard_params.unit_modes import UnitRecorder, UnitReplayer
 

@@ -17,13 +17,12 @@ import torch
 
 from shardfn import pytree
 from shardfn._torch_internals import temporarily_clear_interpreter_stack, unwrap_functorch
-from shardfn.transforms._tp_rng import set_streams
 from shardfn.transforms.recording import RngState
 from shardfn.transforms.shard_params.exchange import UnitGather, no_functorch
 from shardfn.transforms.shard_params.plan import Unit
 
 __all__ = ["CallRecord", "TreeSpec", "call_module", "detached", "float_outputs", "is_float",
-           "plain", "recorded_vjp", "set_rng"]
+           "plain", "recorded_vjp"]
 
 Params = dict[str, torch.Tensor]
 
@@ -120,11 +119,3 @@ def recorded_vjp(out: Any, groups: tuple[Mapping, ...]) -> Callable:
         return tuple({key: next(it) for key in group} for group in groups)
 
     return vjp_fn
-
-
-def set_rng(state: RngState) -> None:
-    """Set the RNG state to ``state`` (as a unit call left it in forward), for good."""
-    torch.set_rng_state(state.cpu)
-    for index, cuda_state in state.cuda.items():
-        torch.cuda.set_rng_state(cuda_state, index)
-    set_streams(state.split)
