@@ -9,7 +9,8 @@ memory, never the user's tensors) and returns a :class:`FunctionalModel`:
   ``init_subset(seed, paths)`` gives exactly that slice of ``init(seed)``: a
   rank can build just its shard.
 * ``apply(params, *args, **kwargs)`` runs the module's forward with ``params``
-  via ``torch.func.functional_call``; it is pure (buffers are passed as private
+  swapped into the skeleton for the call, as ``torch.func.functional_call`` does
+  (which it uses for a parametrized module); it is pure (buffers are passed as private
   copies, so a BatchNorm in training mode never changes the caller's tensors)
   and works under ``torch.func.grad`` / ``vjp`` / ``vmap`` and plain autograd.
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -44,6 +46,7 @@ from torch import nn
 
 from shardfn._functional_init import InitFn, InitPlan, derive_seed, init_subset, plan_init
 from shardfn._functional_leaves import check_params, describe_unknown, vmap_buffer_error
+from shardfn._functional_swap import Slot, call_swapped, plan_slots
 from shardfn._torch_internals import TransformType, in_transform
 
 __all__ = ["FunctionalModel", "InitFn", "ShapeDtype", "derive_seed", "functional"]
@@ -63,8 +66,8 @@ class FunctionalModel:
     """A module as pure functions of a flat ``name -> Tensor`` dict; made by :func:`functional`.
 
     Attributes:
-        module: the skeleton (meta device) that ``apply`` calls through
-            ``functional_call``; it never holds real tensors.
+        module: the skeleton (meta device) that ``apply`` calls with the leaves swapped
+            in for the call; it holds no real tensor outside a call.
         names: every leaf name, parameters first, then buffers.
         param_names / buffer_names: the two kinds of leaves.
         frozen_names: parameters with ``requires_grad=False``.
@@ -201,11 +204,19 @@ class FunctionalModel:
         """
         return self.apply(params, *args, mutable=True, **kwargs)
 
+    @functools.cached_property
+    def _slots(self) -> tuple[Slot, ...] | None:
+        """Where each leaf goes in the skeleton (:func:`~._functional_swap.plan_slots`),
+        worked out on the first ``apply``; None: ``apply`` uses ``functional_call``."""
+        return plan_slots(self.module, self.tied, set(self._plan.leaves))
+
     def _forward(self, call_params: Params, args: tuple, kwargs: dict) -> Any:
         try:
-            return torch.func.functional_call(
-                self.module, call_params, args, kwargs, tie_weights=True, strict=True
-            )
+            if self._slots is None:
+                return torch.func.functional_call(
+                    self.module, call_params, args, kwargs, tie_weights=True, strict=True
+                )
+            return call_swapped(self.module, self._slots, call_params, args, kwargs)
         except RuntimeError as error:
             text = str(error).lower()
             if not (in_transform(TransformType.Vmap) and ("in place" in text or "inplace" in text)):

@@ -725,3 +725,81 @@ def test_remat_over_functional_batchnorm_with_mutable():
         value.backward()
         torch.testing.assert_close({k: v.grad for k, v in leaves.items()}, ref_grads)
         torch.testing.assert_close(new_autograd, ref_new)
+
+
+# ------------------------------------------------------------- apply's swap (no functional_call)
+
+
+class _Reassigns(nn.Module):
+    """A forward that reassigns its buffer (``self.count = ...``) and uses a tied head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(3, 3, bias=False)
+        self.head = nn.Linear(3, 3, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x, fail=False):
+        self.count = self.count + 1
+        if fail:
+            raise ValueError("forward failed on purpose")
+        return self.head(self.emb(x))
+
+
+def _skeleton_tensors(model):
+    return [(n, t.device.type) for n, t in [*model.module.named_parameters(remove_duplicate=False),
+                                            *model.module.named_buffers()]]
+
+
+def test_apply_swap_equals_functional_call_and_restores_the_skeleton():
+    model = functional(_Reassigns())
+    params = model.init(0)
+    before = _skeleton_tensors(model)
+    x = torch.randn(2, 3)
+    out, new = model.apply(params, x, mutable=True)
+    call = {**params, "count": params["count"].clone()}
+    expected = torch.func.functional_call(model.module, call, (x,), tie_weights=True, strict=True)
+    torch.testing.assert_close(out, expected)
+    assert new["count"].item() == 1 == call["count"].item() and params["count"].item() == 0
+    assert _skeleton_tensors(model) == before  # meta tensors back in every slot
+    assert model.module.head.weight is model.module.emb.weight
+    with pytest.raises(ValueError, match="on purpose"):
+        model.apply(params, x, fail=True)
+    assert _skeleton_tensors(model) == before  # also after the forward raised
+    # the tied leaf gets both uses' gradients, as under functional_call
+    grads = torch.func.grad(lambda p: model.apply(p, x).sum())(params)
+    ref = torch.func.grad(lambda p: torch.func.functional_call(
+        model.module, {**p, "count": p["count"].clone()}, (x,), tie_weights=True).sum())(params)
+    torch.testing.assert_close(grads, ref)
+
+
+def test_apply_falls_back_to_functional_call_for_a_parametrized_module():
+    module = nn.Linear(3, 3)
+    nn.utils.parametrize.register_parametrization(module, "weight", _Symmetric())
+    model = functional(module)
+    assert model._slots is None
+    params = model.init(0)
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(model.apply(params, x), torch.func.functional_call(
+        model.module, params, (x,), tie_weights=True, strict=True))
+
+
+class _Symmetric(nn.Module):
+    def forward(self, w):
+        return w.triu() + w.triu(1).transpose(0, 1)
+
+
+def test_apply_after_a_pickle_round_trip_swaps_into_the_copy():
+    import cloudpickle
+
+    model = functional(_Reassigns())
+    params = model.init(0)
+    x = torch.randn(2, 3)
+    out = model.apply(params, x)  # _slots worked out before the pickle
+    clone = cloudpickle.loads(cloudpickle.dumps(model))
+    torch.testing.assert_close(clone.apply(params, x), out)
+    assert all(slot.table is not orig.table for slot, orig in zip(clone._slots, model._slots,
+                                                                  strict=True))
+    assert clone._slots[0].table is clone.module.emb._parameters
+    assert _skeleton_tensors(clone) == _skeleton_tensors(model)

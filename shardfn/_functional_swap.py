@@ -1,0 +1,89 @@
+"""``apply`` without ``functional_call``'s per-call work: the leaves swapped into the skeleton.
+
+``torch.func.functional_call(module, params, args, kwargs, tie_weights=True,
+strict=True)`` works out on every call which registered names are tied and
+checks the keys (about 0.1 ms per module, which a pipeline stage of a few blocks
+pays per micro-batch). ``FunctionalModel`` checks the keys itself, so the slots
+each leaf goes into (tied aliases included) are worked out once
+(:func:`plan_slots`) and :func:`call_swapped` does the rest of what
+``functional_call`` does: put the leaves in, call the module, put the
+skeleton's tensors back (also when the forward raises), and write a leaf the
+forward reassigned (``self.buf = ...``) back into the call's dict.
+
+Example:
+    >>> net = nn.Linear(2, 2)
+    >>> slots = plan_slots(net, {}, {"weight", "bias"})
+    >>> call_swapped(net, slots, {"weight": torch.eye(2), "bias": torch.zeros(2)},
+    ...              (torch.ones(1, 2),), {})
+    tensor([[1., 1.]])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+__all__ = ["Slot", "call_swapped", "plan_slots"]
+
+Params = dict[str, torch.Tensor]
+
+
+class Slot(NamedTuple):
+    """One registered name of the skeleton: the dict it lives in, its key, its leaf."""
+
+    table: dict  # the submodule's ``_parameters`` or ``_buffers``
+    attr: str
+    leaf: str  # the leaf's name (the owner's name for a tied alias)
+    owner: bool  # this is the leaf's own name (not a tied alias)
+
+
+def call_swapped(module: nn.Module, slots: Sequence[Slot], call_params: Params,
+                  args: tuple, kwargs: dict) -> Any:
+    """``module(*args, **kwargs)`` with ``call_params`` swapped into ``slots``, as
+    ``functional_call(module, call_params, args, kwargs, tie_weights=True, strict=True)``
+    does: the skeleton's tensors are put back afterwards, and a leaf the forward
+    reassigned (``self.buf = ...``) is written back into ``call_params``."""
+    saved: list[Any] = []
+    try:
+        for slot in slots:
+            saved.append(slot.table[slot.attr])
+            slot.table[slot.attr] = call_params[slot.leaf]
+        return module(*args, **kwargs)
+    finally:
+        for slot, original in zip(slots, saved, strict=False):
+            current = slot.table.get(slot.attr)
+            if slot.owner and current is not None:
+                call_params[slot.leaf] = current
+            slot.table[slot.attr] = original
+
+
+def plan_slots(module: nn.Module, tied: Mapping[str, str], leaves: set[str]
+               ) -> tuple[Slot, ...] | None:
+    """Every registered name of ``module``'s parameters and buffers (aliases included)
+    as a :class:`Slot`, or None when ``functional_call`` must do the call: a
+    parametrized submodule, a name that is not a leaf, or a leaf with no slot.
+
+    Args:
+        module: the skeleton.
+        tied: alias name -> the leaf it shares.
+        leaves: every leaf name.
+    """
+    if any(nn.utils.parametrize.is_parametrized(m) for m in module.modules()):
+        return None
+    slots = []
+    named = [*module.named_parameters(remove_duplicate=False),
+             *module.named_buffers(remove_duplicate=False)]
+    for name, _ in named:
+        leaf = tied.get(name, name)
+        path, _, attr = name.rpartition(".")
+        owner = module.get_submodule(path)
+        table = owner._parameters if attr in owner._parameters else owner._buffers
+        if leaf not in leaves or attr not in table:
+            return None
+        slots.append(Slot(table, attr, leaf, leaf == name))
+    if {slot.leaf for slot in slots} != leaves:
+        return None
+    return tuple(slots)
