@@ -32,7 +32,10 @@ message), ``base + 11k + 1`` (error text), ``base + 11k + 2`` (the second header
 and ``base + 11k + 3 + j`` (payload of entry ``j``), from :data:`PIPELINE` (a
 block after ``shard_params``' tags).
 Sends are non-blocking (``batch_isend_irecv``) and waited by :meth:`Messenger.finish`;
-receives block. Nothing here is differentiable: the runtime detaches first.
+receives block, unless posted ahead (:meth:`Messenger.prepost`: a declared message's
+receive posted while the rank still computes, so the transfer is done when it is
+needed). Activation and gradient buffers can be kept from one call to the next
+(:class:`MessageBuffers`). Nothing here is differentiable: the runtime detaches first.
 
 Example:
     >>> messenger = Messenger(ax, tag_of={("act", 0, 0): 0}.__getitem__)
@@ -45,7 +48,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,17 +56,26 @@ import torch.distributed as dist
 from shardfn.primitives import stats
 from shardfn.primitives._comm import Axis
 from shardfn.primitives.tags import UNITS, TagBlock
+from shardfn.transforms.pipeline._buffers import POOLED_KINDS, MessageBuffers
+from shardfn.transforms.pipeline._declared import (
+    _TENSOR,
+    _TUPLE,
+    MAX_ENTRIES,
+    Declared,
+    DeclaredValue,
+    declared_entries,
+    declared_of_value,
+    entries_of,
+)
 
 __all__ = ["ERROR", "MAX_ENTRIES", "NONE", "OK", "PIPELINE", "Declared", "DeclaredValue",
-           "Messenger", "PeerFailed", "declared_entries", "declared_of_value", "entries_of",
-           "packed_layout"]
+           "MessageBuffers", "Messenger", "PeerFailed", "declared_entries", "declared_of_value",
+           "entries_of", "packed_layout"]
 
 #: the pipeline's message tags (right after shard_params' block)
 PIPELINE = TagBlock("pipeline_stages messages", UNITS.start + UNITS.size, 1 << 22)
 
 OK, ERROR, NONE = 0, 1, 2
-_TENSOR, _TUPLE, _LIST = 0, 1, 2  # what a message's value is: one tensor, a tuple, a list
-MAX_ENTRIES = 8  # tensors in one message (a stage's tuple output)
 _MAX_DIMS = 8
 _ENTRY = 3 + _MAX_DIMS  # per entry: present, dtype, ndim, dims
 _HEADER_LEN = 4 + _ENTRY  # status, container, entries, text length, entry 0
@@ -77,56 +89,8 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 Key = tuple  # ("act" | "grad" | "loss" | "out" | "leaf", stage, microbatch)
 
 
-class Declared(NamedTuple):
-    """A message's shape and dtype, known to both sides before it is sent."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-#: what a message may declare: one tensor, or per entry of a tuple (None: no payload there)
-DeclaredValue = Declared | tuple[Declared | None, ...]
-
-
 class PeerFailed(RuntimeError):
     """A peer sent an error header: it failed during this call (its own error says why)."""
-
-
-def entries_of(value: Any) -> tuple[int, list[torch.Tensor | None]]:
-    """``(container, entries)`` of a message value: one tensor (``_TENSOR``), or a tuple /
-    list of tensors and Nones (``_TUPLE`` / ``_LIST``).
-
-    Raises:
-        TypeError: anything else (a dict, a nested tuple, a number).
-        ValueError: more than ``MAX_ENTRIES`` entries.
-    """
-    if isinstance(value, torch.Tensor):
-        return _TENSOR, [value]
-    if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
-        bad = [j for j, e in enumerate(value) if e is not None and not isinstance(e, torch.Tensor)]
-        if bad:
-            raise TypeError(f"pipeline messages carry a tensor or a tuple/list of tensors (and "
-                            f"None); entry {bad[0]} is a {type(value[bad[0]]).__name__}")
-        if len(value) > MAX_ENTRIES:
-            raise ValueError(f"pipeline messages carry at most {MAX_ENTRIES} tensors, got a "
-                             f"{type(value).__name__} of {len(value)}")
-        return (_TUPLE if isinstance(value, tuple) else _LIST), list(value)
-    raise TypeError("pipeline messages carry a tensor or a tuple/list of tensors (and None), "
-                    f"got a {type(value).__name__}")
-
-
-def declared_of_value(value: Any) -> DeclaredValue:
-    """The :data:`DeclaredValue` that ``value`` (a tensor or tuple/list of them) meets."""
-    container, entries = entries_of(value)
-    found = tuple(None if e is None else Declared(tuple(e.shape), e.dtype) for e in entries)
-    return found[0] if container == _TENSOR else found
-
-
-def declared_entries(declared: DeclaredValue | None) -> list[Declared | None]:
-    """The per-entry payloads ``declared`` announces (one for a single tensor)."""
-    if declared is None:
-        return []
-    return [declared] if isinstance(declared, Declared) else list(declared)
 
 
 _ALIGN = 16  # bytes: a packed payload's offset suits every dtype's view
@@ -198,6 +162,8 @@ class Messenger:
         declared: message key -> :data:`DeclaredValue` when its payloads are declared
             (both sides know them), else None (the receiver reads them off the header first).
         device: where messages live (the mesh's device: CUDA for NCCL, CPU for gloo).
+        pool: keeps the packed buffers of activations and gradients for the next call
+            (:class:`MessageBuffers`); None: fresh buffers every time.
 
     Attributes:
         header_first: how many messages this rank sent or received whose payload had to
@@ -206,9 +172,12 @@ class Messenger:
 
     def __init__(self, ax: Axis, tag_of: Callable[[Key], int],
                  declared: Callable[[Key], DeclaredValue | None] = lambda key: None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", pool: MessageBuffers | None = None):
         self.ax = ax
         self.device = torch.device(device)
+        self.pool = pool
+        #: (key, src) -> (works, buffer) of a receive posted ahead (:meth:`prepost`)
+        self.posted: dict[tuple[Key, int], tuple[list, torch.Tensor]] = {}
         self.tag_of = tag_of
         self.declared = declared
         #: (key, dst) -> (works, tensors kept alive until they are waited), in posting order
@@ -226,6 +195,11 @@ class Messenger:
                              "holds; use fewer stages or micro-batches")
         base = PIPELINE.start + _TAGS_PER_MESSAGE * k
         return base, base + 1, base + 2, [base + 3 + j for j in range(MAX_ENTRIES)]
+
+    def _buffer(self, direction: str, key: Key, peer: int, nbytes: int) -> torch.Tensor:
+        if self.pool is None or key[0] not in POOLED_KINDS:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.pool.get(direction, key, peer, nbytes, self.device)
 
     def _post(self, ops: list, description: str) -> list:
         with stats.collective_scope(self.ax.describe(description)):
@@ -288,7 +262,7 @@ class Messenger:
         header in one buffer; then the error text, if any."""
         header_tag, text_tag = tags
         offsets, at, total = packed_layout(declared)
-        buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+        buffer = self._buffer("send", key, dst, total)
         for entry, offset, payload in zip(declared, offsets, payloads, strict=True):
             if entry is None:
                 continue
@@ -317,13 +291,39 @@ class Messenger:
         self.pending[(key, dst)] = (works, [op.tensor for op in ops])
         self.sent.add((key, dst))
 
+    def prepost(self, key: Key, src: int) -> bool:
+        """Post the receive of message ``key`` from ``src`` now, to be waited by
+        :meth:`recv`: the transfer then happens while this rank computes (a message
+        whose payloads are declared only; the others wait for their header).
+
+        Returns:
+            Whether a receive was posted.
+        """
+        declared = declared_entries(self.declared(key))
+        if not declared or (key, src) in self.posted or (key, src) in self.received:
+            return False
+        header_tag = self._tags(key)[0]
+        buffer = self._buffer("recv", key, src, packed_layout(declared)[2])
+        works = self._post([dist.P2POp(dist.irecv, buffer, group=self.ax.group,
+                                       group_peer=src, tag=header_tag)],
+                           f"pipeline recv {key} from pp {src}")
+        self.posted[(key, src)] = (works, buffer)
+        return True
+
     def _recv_packed(self, key: Key, src: int, declared: list[Declared | None]) -> Any:
         header_tag, text_tag, _, _ = self._tags(key)
         offsets, at, total = packed_layout(declared)
-        buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
         description = f"pipeline recv {key} from pp {src}"
-        self._wait_all([dist.P2POp(dist.irecv, buffer, group=self.ax.group, group_peer=src,
-                                   tag=header_tag)], description)
+        posted = self.posted.pop((key, src), None)
+        if posted is None:
+            buffer = self._buffer("recv", key, src, total)
+            works = self._post([dist.P2POp(dist.irecv, buffer, group=self.ax.group,
+                                           group_peer=src, tag=header_tag)], description)
+        else:
+            works, buffer = posted
+        for work in works:
+            with stats.collective_scope(self.ax.describe(description)):
+                work.wait()
         status, container, found, text_len = _decode(buffer[at:].view(torch.int32).cpu())
         entries = [None if d is None or j >= len(declared) or declared[j] is None else
                    buffer[offsets[j]:offsets[j] + _nbytes(d)].view(d.dtype).view(d.shape)

@@ -28,7 +28,7 @@ from shardfn.functional import FunctionalModel, functional
 from shardfn.mesh import Mesh
 from shardfn.primitives import collectives
 from shardfn.primitives._comm import resolve
-from shardfn.transforms.pipeline._p2p import Messenger
+from shardfn.transforms.pipeline._p2p import MessageBuffers, Messenger
 from shardfn.transforms.pipeline.inference import run_forward
 from shardfn.transforms.pipeline.runtime import StepPlan, run_step, settle_and_raise
 from shardfn.transforms.pipeline.schedules import SCHEDULES, Schedule, make_schedule
@@ -61,6 +61,9 @@ class PipelineModel:
             (empty without a ``stage_transform``).
         infer_shapes: infer the boundary shapes once per batch signature (``shapes=None``).
         shape_cache: the inferred shapes (:class:`~.shapes.ShapeCache`).
+        message_buffers: the activation and gradient message buffers kept from one
+            ``value_and_grad`` to the next (:class:`~._buffers.MessageBuffers`; about one
+            activation per boundary and micro-batch, each way, as torch's stages keep).
     """
 
     mesh: Mesh
@@ -70,6 +73,8 @@ class PipelineModel:
     stage_models: Mapping[int, Any]
     infer_shapes: bool = False
     shape_cache: ShapeCache = dataclasses.field(default_factory=ShapeCache, repr=False)
+    message_buffers: MessageBuffers = dataclasses.field(default_factory=MessageBuffers,
+                                                        repr=False)
 
     @property
     def schedule(self) -> Schedule:
@@ -191,7 +196,7 @@ class PipelineModel:
             if self.infer_shapes else None
         inferred = self.shape_cache.get(key)
         loss, grads, step_report = run_step(self.plan, prepare, inputs, targets, inferred,
-                                            mutable)
+                                            mutable, self.message_buffers)
         if inferred is None:
             self.shape_cache.put(key, step_report.shapes)
         if self.dp_axis is not None and self.stage_models:  # the transform reduced them

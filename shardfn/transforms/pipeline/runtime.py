@@ -14,10 +14,17 @@
   graph and computes only the input gradient; ``W`` computes the parameter
   gradients later (:mod:`._weight_grad`) and frees it.
 
-Receives block, sends are non-blocking (:mod:`._p2p`) and all waited before
-the step returns. On any error (a stage raising, a declared shape not met, a
-peer's error header) the rank settles its messages (error headers for what it
-owes, drains what it expects) and re-raises, so every rank stops with an error.
+Sends are non-blocking (:mod:`._p2p`) and all waited before the step returns.
+On gloo the next receive (in the rank's schedule order) is posted as soon as the
+previous one is taken, when its shapes are declared or inferred: the transfer
+happens while the rank computes, and the receive is done when the action needs
+it. (Not on NCCL, where a receive posted ahead would hold up the sends queued
+behind it on the communicator.) With a :class:`~._buffers.MessageBuffers` pool the
+packed buffers are reused from step to step.
+
+On any error (a stage raising, a declared shape not met, a peer's error header)
+the rank settles its messages (error headers for what it owes, drains what it
+expects) and re-raises, so every rank stops with an error.
 
 Example:
     >>> loss, grads, report = run_step(step_plan, leaves, inputs, targets)
@@ -40,6 +47,7 @@ from shardfn.transforms.pipeline._p2p import (
     NONE,
     OK,
     DeclaredValue,
+    MessageBuffers,
     Messenger,
     PeerFailed,
     declared_of_value,
@@ -166,8 +174,12 @@ class StepState:
 
     def __init__(self, plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs, targets,
                  messenger: Messenger, inferred: Mapping[tuple, DeclaredValue] | None = None,
-                 mutable: bool = False):
+                 mutable: bool = False, receives: Sequence[tuple[tuple, int]] = ()):
         self.plan = plan
+        #: this rank's receives in schedule order, each posted once the one before is
+        #: taken (empty: none posted ahead)
+        self.receives = list(receives)
+        self.next_receive = 0
         #: with ``mutable``: this rank's buffers as the forwards so far left them
         self.buffers = None if not mutable else {
             n: leaves[n] for st in plan.stages.on_rank(plan.rank) for n in st.names
@@ -201,6 +213,14 @@ class StepState:
                 self.seen[key] = declared_of_value(tensor)
             self.messenger.send(key, dst, tensor, OK if tensor is not None else NONE)
 
+    def post_next(self) -> None:
+        """Post the schedule's next receive ahead of its action (see the module docstring);
+        one whose shapes are not known is not: its action receives it."""
+        if self.next_receive < len(self.receives):
+            key, src = self.receives[self.next_receive]
+            self.next_receive += 1
+            self.messenger.prepost(key, src)
+
     def take(self, kind: str, stage: int, microbatch: int) -> torch.Tensor | None:
         src = stage_rank(stage, self.plan.schedule.n_ranks)
         key = (kind, stage, microbatch)
@@ -211,6 +231,7 @@ class StepState:
             value = self.messenger.recv(key, src)
         finally:
             self.wait += time.perf_counter() - start
+        self.post_next()
         for sent in self.plan.releases.get((key, src), ()):
             self.messenger.wait_sent(*sent)
         if kind == "act" and value is not None:
@@ -354,7 +375,8 @@ def settle_and_raise(step_messenger: Messenger, owed, expected, error: BaseExcep
 
 def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
              inputs: torch.Tensor, targets: Any,
-             inferred: Mapping[tuple, DeclaredValue] | None = None, mutable: bool = False
+             inferred: Mapping[tuple, DeclaredValue] | None = None, mutable: bool = False,
+             pool: MessageBuffers | None = None
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor], StepReport]:
     """Run this rank's actions of ``plan.schedule`` on one batch.
 
@@ -370,6 +392,8 @@ def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
             for its header; a stage output that breaks them raises.
         mutable: thread this rank's buffers through its stages' forwards, micro-batch by
             micro-batch (``report.buffers``: their values after the step).
+        pool: keep the activation and gradient message buffers for the next step
+            (the pipeline model's); None: fresh buffers.
 
     Returns:
         ``(loss, grads, report)``: the loss over the whole batch (on every pp rank),
@@ -377,12 +401,14 @@ def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
         leaves) and the :class:`StepReport`.
     """
     messenger = Messenger(plan.ax, plan.tag_of, lambda key: plan.declared_of(key, inferred),
-                          plan.device)
+                          plan.device, pool)
     owed, expected = message_lists(plan.schedule, plan.rank)
     action: Action | None = None
     try:
         leaves = prepare()
-        step = StepState(plan, leaves, inputs, targets, messenger, inferred, mutable)
+        step = StepState(plan, leaves, inputs, targets, messenger, inferred, mutable,
+                         expected if plan.device.type == "cpu" else ())
+        step.post_next()
         for action in plan.schedule.actions[plan.rank]:
             step.run(action)
         holder = stage_rank(plan.n_stages - 1, plan.schedule.n_ranks)
@@ -395,14 +421,19 @@ def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
         step.seen[("loss", 0, 0)] = declared_of_value(step.loss)
         step.messenger.finish()
     except BaseException as error:  # every rank settles its messages, then raises
+        if pool is not None:
+            pool.clear()
         where = (f"pipeline step on pp rank {plan.rank}, during {action_text(action)} of "
                  f"schedule {plan.schedule.name!r}")
         settle_and_raise(messenger, owed, expected, error, where)
     grads = {n: torch.zeros_like(leaves[n]) if leaves[n].grad is None else leaves[n].grad
              for st in plan.stages.on_rank(plan.rank) for n in st.trainable}
+    buffers = step.buffers
+    if pool is not None:  # nothing returned may be overwritten by the next step
+        grads = pool.unalias(grads)
+        buffers = None if buffers is None else pool.unalias(buffers)
     return step.loss, grads, StepReport(tuple(step.events), step.peak_live, step.peak_held,
-                                        step.t0, messenger.header_first, step.seen,
-                                        step.buffers)
+                                        step.t0, messenger.header_first, step.seen, buffers)
 
 
 def _take_grad(x: torch.Tensor) -> torch.Tensor | None:

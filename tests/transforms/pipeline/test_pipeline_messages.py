@@ -1,0 +1,170 @@
+"""Receives posted ahead and message buffers kept from step to step.
+
+With declared (or inferred) shapes each rank posts its next receive as soon as
+it has taken the one before, and a pipeline model keeps its activation and
+gradient buffers for the next step, as torch's stages keep their receive
+buffers. Neither may change a number: steps stay equal to the unsplit model,
+no returned gradient shares memory with a kept buffer (the next step would
+overwrite it), and a step that fails with receives posted ahead leaves every
+rank able to run the next one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+import shardfn as sf
+from shardfn.transforms.pipeline import pipeline_stages
+from shardfn.transforms.pipeline._p2p import Declared, Messenger
+from tests.transforms.pipeline._pipeline_models import batch, mlp_units, mse, reference
+
+
+def _declared(rows: int, m: int, width: int = 8) -> sf.ShapeDtype:
+    return sf.ShapeDtype(torch.Size([rows // m, width]), torch.float32)
+
+
+def _repeated_steps(p: int, schedule: str, virtual: int, seeds: list[int], shapes):
+    n_units = 2 * p * virtual + 1
+    pp = pipeline_stages(mlp_units(n_units), sf.Mesh({"pp": p}),
+                         balance=[2] * (p * virtual - 1) + [3], schedule=schedule,
+                         microbatches=4, loss_fn=mse, virtual=virtual, shapes=shapes)
+    params = pp.init(0)
+    found, kept = [], []
+    for seed in seeds:
+        loss, grads = pp.value_and_grad(params, *batch(8, seed=seed))
+        found.append((loss, grads))
+        kept.append(sorted(b.data_ptr() for b in pp.message_buffers.buffers.values()))
+    return found, kept
+
+
+@pytest.mark.parametrize("p, schedule, virtual, shapes", [
+    (2, "1f1b", 1, "declared"), (2, "interleaved", 2, None), (4, "gpipe", 1, "declared"),
+    (2, "zb-h1", 1, None)])
+def test_kept_buffers_are_reused_and_every_step_is_exact(worlds, p, schedule, virtual, shapes):
+    seeds = [1, 2, 3, 4]
+    declared = _declared(8, 4) if shapes == "declared" else None
+    results = worlds(p).run(_repeated_steps, p, schedule, virtual, seeds, declared)
+    n_units = 2 * p * virtual + 1
+    for found, kept in results:
+        for seed, (loss, grads) in zip(seeds, found, strict=True):
+            _, ref_loss, ref_grads, _ = reference(mlp_units(n_units), 0, *batch(8, seed=seed))
+            assert_close(loss, ref_loss)
+            assert_close(grads, {n: ref_grads[n] for n in grads})
+        # inferred shapes: the first step exchanges headers, kept buffers start at the second
+        start = 0 if shapes == "declared" else 1
+        assert kept[start], "no message buffer was kept"
+        assert all(k == kept[start] for k in kept[start:]), "the buffers were not reused"
+
+
+class _AddParam(nn.Module):
+    """``x + p`` with ``p`` of the micro-batch's shape: ``p``'s gradient *is* the output
+    gradient received from the next stage, which autograd may keep as ``p.grad``."""
+
+    def __init__(self, rows: int, width: int):
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(rows, width))
+
+    def forward(self, x):
+        return x + self.p
+
+
+def _aliasing_steps():
+    units = [nn.Linear(4, 8), _AddParam(8, 8), nn.Linear(8, 3)]
+    pp = pipeline_stages(units, sf.Mesh({"pp": 2}), balance=[2, 1], schedule="1f1b",
+                         microbatches=1, loss_fn=mse, shapes=_declared(8, 1))
+    params = pp.init(0)
+    first = pp.value_and_grad(params, *batch(8, seed=1))[1]
+    snapshot = {n: g.clone() for n, g in first.items()}
+    pp.value_and_grad(params, *batch(8, seed=2))  # would overwrite a kept buffer's alias
+    kept = {b.untyped_storage().data_ptr() for b in pp.message_buffers.buffers.values()}
+    shared = [n for n, g in first.items() if g.untyped_storage().data_ptr() in kept]
+    return first, snapshot, shared
+
+
+def test_a_gradient_aliasing_a_kept_buffer_is_copied_out(worlds):
+    units = [nn.Linear(4, 8), _AddParam(8, 8), nn.Linear(8, 3)]
+    ref_grads = reference(units, 0, *batch(8, seed=1))[2]
+    for first, snapshot, shared in worlds(2).run(_aliasing_steps):
+        assert shared == []
+        assert_close(first, snapshot)  # the next step left the returned gradients alone
+        assert_close(first, {n: ref_grads[n] for n in first})
+
+
+class _FailingOnCall(nn.Module):
+    """Raises on its ``when``-th call (counting from 0), else the identity."""
+
+    def __init__(self, when: int):
+        super().__init__()
+        self.when, self.calls = when, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls - 1 == self.when:
+            raise RuntimeError("exploded on purpose")
+        return x
+
+
+def _fail_in_the_second_step(schedule: str):
+    units = [nn.Linear(4, 8), nn.Tanh(), _FailingOnCall(when=5), nn.Linear(8, 3)]
+    pp = pipeline_stages(units, sf.Mesh({"pp": 2}), balance=[2, 2], schedule=schedule,
+                         microbatches=4, loss_fn=mse, shapes=_declared(8, 4))
+    params = pp.init(0)
+    pp.value_and_grad(params, *batch(8, seed=1))  # calls 0-3 pass
+    start = time.perf_counter()
+    try:
+        pp.value_and_grad(params, *batch(8, seed=2))  # call 5: micro-batch 1 of step 2
+        failed = None
+    except Exception as error:  # noqa: BLE001 - the test looks at which error each rank got
+        failed = (type(error).__name__, str(error))
+    seconds = time.perf_counter() - start
+    return failed, seconds, pp.value_and_grad(params, *batch(8, seed=3))[0]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_failure_with_receives_posted_ahead_stops_every_rank_then_recovers(worlds, schedule):
+    results = worlds(2).run(_fail_in_the_second_step, schedule)
+    (name0, text0), _, _ = results[0]
+    (name1, text1), _, _ = results[1]
+    assert name1 == "RuntimeError" and "exploded on purpose" in text1
+    assert name0 == "PeerFailed" and "exploded on purpose" in text0
+    expected = reference([nn.Linear(4, 8), nn.Tanh(), nn.Identity(), nn.Linear(8, 3)], 0,
+                         *batch(8, seed=3))[1]
+    for _, seconds, loss in results:
+        assert seconds < 20
+        assert_close(loss, expected)
+
+
+def _messenger_prepost():
+    mesh = sf.Mesh({"pp": 2})
+    pp = pipeline_stages(mlp_units(3), mesh, balance=[2, 1], schedule="gpipe",
+                         microbatches=1, loss_fn=mse)
+    ax = pp.plan.ax
+    declared = Declared((2, 3), torch.float32)
+    known = {("act", 0, 0): declared, ("act", 0, 1): declared}
+    messenger = Messenger(ax, {("act", 0, 0): 0, ("act", 0, 1): 1, ("act", 0, 2): 2}.__getitem__,
+                          known.get)
+    value = torch.arange(6.0).reshape(2, 3)
+    if ax.index == 0:
+        messenger.send(("act", 0, 0), 1, value)
+        messenger.send(("act", 0, 1), 1, value + 1)
+        messenger.send(("act", 0, 2), 1, value + 2)  # not declared: header, then payload
+        messenger.finish()
+        return None
+    posted = [messenger.prepost(("act", 0, 1), 0), messenger.prepost(("act", 0, 1), 0),
+              messenger.prepost(("act", 0, 2), 0)]
+    got = [messenger.recv(("act", 0, k), 0) for k in range(3)]
+    return posted, got, len(messenger.posted)
+
+
+def test_messenger_prepost_receives_the_same_values(worlds):
+    posted, got, left = worlds(2).run(_messenger_prepost)[1]
+    assert posted == [True, False, False]  # once; never for an undeclared message
+    value = torch.arange(6.0).reshape(2, 3)
+    assert_close(got, [value, value + 1, value + 2])
+    assert left == 0
+
