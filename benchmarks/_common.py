@@ -39,6 +39,7 @@ __all__ = [
     "machine_info",
     "markdown_table",
     "rel_diff",
+    "round_order",
     "run_interleaved",
     "storage_bytes",
     "write_json",
@@ -150,8 +151,27 @@ def _short_error(error: BaseException) -> str:
     return text[:160]
 
 
+def round_order(order: list[str], r: int, pairs: bool = False) -> list[str]:
+    """The systems of round ``r``: ``order`` rotated by ``r``; with ``pairs`` the
+    consecutive pairs (``order[0:2]``, ``order[2:4]``, ...) stay side by side, the pairs
+    rotate, and each pair's two systems swap places every round.
+
+    Example:
+        >>> round_order(["a", "A", "b", "B"], 1, pairs=True)
+        ['B', 'b', 'A', 'a']
+    """
+    if not pairs:
+        shift = r % max(1, len(order))
+        return order[shift:] + order[:shift]
+    groups = [order[i:i + 2] for i in range(0, len(order), 2)]
+    shift = r % max(1, len(groups))
+    groups = groups[shift:] + groups[:shift]
+    return [key for group in groups for key in (group if r % 2 == 0 else group[::-1])]
+
+
 def run_interleaved(ctx: Any, registry: Registry, keys: list[str], *, warmup: int, steps: int,
-                    reference: str | None, log: Callable[[str], None] = print) -> list[Result]:
+                    reference: str | None, log: Callable[[str], None] = print,
+                    pairs: bool = False) -> list[Result]:
     """Set up ``keys`` on this rank, run them in rotating rounds, check them against ``reference``.
 
     Must be called on every rank with the same arguments. A system whose setup or
@@ -167,6 +187,9 @@ def run_interleaved(ctx: Any, registry: Registry, keys: list[str], *, warmup: in
         steps: measured rounds.
         reference: key of the system the others' parameters are compared with.
         log: progress printer (rank 0 only is a good choice).
+        pairs: run ``keys[0:2]``, ``keys[2:4]``, ... back to back in every round, in
+            alternating order (:func:`round_order`), for paired ratios of systems
+            measured moments apart.
 
     Returns:
         One :class:`Result` per key (meaningful on rank 0).
@@ -195,8 +218,7 @@ def run_interleaved(ctx: Any, registry: Registry, keys: list[str], *, warmup: in
     order = [k for k in keys if k in systems]
     t_start = time.perf_counter()
     for r in range(warmup + steps):
-        shift = r % max(1, len(order))
-        for key in order[shift:] + order[:shift]:
+        for key in round_order(order, r, pairs):
             if key not in systems:
                 continue
             error = None

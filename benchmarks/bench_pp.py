@@ -3,8 +3,9 @@
 The same model (8 residual MLP blocks of bench_dp.py, d=512, and the final projection:
 9 units, 17M parameters), the same split into stages (balanced by parameter count),
 the same batch (8 x 64 x 512, 4 micro-batches) and the same schedule, on N local CPU
-ranks (gloo, one thread per rank), measured in one run, interleaved in rounds. A step
-is the forward and backward of the whole batch (MSE loss), no optimizer.
+ranks (gloo, one thread per rank), measured in one run, interleaved in rounds: in
+every round each schedule's two systems run back to back, in alternating order. A
+step is the forward and backward of the whole batch (MSE loss), no optimizer.
 
 Per schedule (GPipe, 1F1B, interleaved 1F1B with 2 stages per rank, ZB-H1) the table
 gives: median step time, shardfn's ratio to torch on the same schedule (target <= 1:
@@ -277,7 +278,11 @@ def _bubbles(ctx: Context, keys: list[str], img_dir: Path | None) -> dict[str, d
         bubbles = [measured_bubble(events, ctx.world) for events in merged if events]
         times = {kind: statistics.median([e.end - e.start for events in merged for e in events
                                           if e.kind == kind] or [0.0]) for kind in COMPUTE}
-        info = {"bubble": statistics.median(bubbles), "times": times}
+        info = {"bubble": statistics.median(bubbles), "times": times,
+                "per_rank": {(r, kind): statistics.median(
+                    [sum(e.end - e.start for e in events if e.kind == kind and e.rank == r)
+                     for events in merged] or [0.0])
+                    for r in range(ctx.world) for kind in COMPUTE + ("recv",)}}
         if img_dir is not None and key != "sf-wrong":
             name = schedule_of(key)
             file = f"pipeline_timeline_{name}.png" if key.startswith("sf-") else \
@@ -357,7 +362,7 @@ def rank_main(args: argparse.Namespace):
     keys += ["sf-wrong"] if args.wrong else []
     reference = "torch-gpipe" if "gpipe" in args.schedules else keys[0]
     results = run_interleaved(ctx, SYSTEMS, keys, warmup=args.warmup, steps=args.steps,
-                              reference=reference, log=log)
+                              reference=reference, log=log, pairs=True)
     bubbles = _bubbles(ctx, keys, Path(args.img_dir))
     return results, bubbles, time.perf_counter() - t0, ctx.balance("1f1b", ctx.make_units()), \
         ctx.balance("interleaved", ctx.make_units())
@@ -366,7 +371,7 @@ def rank_main(args: argparse.Namespace):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2, help="local CPU ranks (gloo)")
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per system")
+    parser.add_argument("--steps", type=int, default=30, help="measured steps per system")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps per system")
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULE_NAMES),
                         choices=SCHEDULE_NAMES, help="schedules to run, in table order")
@@ -377,6 +382,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--malloc-cache", action="store_true",
                         help="start the ranks with glibc malloc keeping freed memory (no mmap, "
                              "no trim), so fresh large tensors do not page-fault (both systems)")
+    parser.add_argument("--detail", action="store_true",
+                        help="also print each rank's summed F/B/W and receive-wait times")
     parser.add_argument("--img-dir", default=None,
                         help="where the timeline PNGs go (default docs/img; --quick: a "
                              "temporary directory)")
@@ -411,6 +418,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nstages balanced by parameter count: {list(balance)} (interleaved, "
           f"{cfg.virtual} per rank: {list(balance_v)})\n")
     print(table(results, bubbles, cfg, args.ranks))
+    if args.detail:
+        print("\nper rank, median over steps of the step's summed F / B / W / recv-wait ms:")
+        for key, info in bubbles.items():
+            cells = "  ".join(f"r{r}: " + "/".join(f"{info['per_rank'][(r, k)] * 1e3:.1f}"
+                                                   for k in ("F", "B", "W", "recv"))
+                              for r in range(args.ranks))
+            print(f"  {key:16s} {cells}")
     pngs = sorted(info["png"] for info in bubbles.values() if "png" in info)
     print(f"\ntimelines of the last step: {', '.join(pngs)}\nRun took {seconds:.0f} s.")
 
