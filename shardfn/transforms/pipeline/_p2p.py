@@ -119,8 +119,8 @@ def packed_layout(declared: list[Declared | None]) -> tuple[list[int | None], in
 
 
 def _header(status: int, container: int, entries: list[torch.Tensor | None]) -> torch.Tensor:
-    header = torch.zeros(_FULL_LEN, dtype=torch.int32)
-    header[0], header[1], header[2] = status, container, len(entries)
+    values = [0] * _FULL_LEN  # filled as a list: one tensor op instead of a dozen
+    values[0:3] = status, container, len(entries)
     for j, tensor in enumerate(entries):
         if tensor is None:
             continue
@@ -130,9 +130,9 @@ def _header(status: int, container: int, entries: list[torch.Tensor | None]) -> 
         if tensor.dtype not in _DTYPES:
             raise TypeError(f"pipeline messages cannot carry dtype {tensor.dtype} (entry {j})")
         at = 4 + j * _ENTRY
-        header[at], header[at + 1], header[at + 2] = 1, _DTYPES.index(tensor.dtype), tensor.dim()
-        header[at + 3:at + 3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int32)
-    return header
+        values[at:at + 3] = 1, _DTYPES.index(tensor.dtype), tensor.dim()
+        values[at + 3:at + 3 + tensor.dim()] = tensor.shape
+    return torch.tensor(values, dtype=torch.int32)
 
 
 def _decode(header: torch.Tensor) -> tuple[int, int, list[Declared | None], int]:
