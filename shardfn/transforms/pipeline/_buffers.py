@@ -1,13 +1,18 @@
 """Packed message buffers a pipeline model keeps from one step to the next.
 
 Example:
+    >>> from types import SimpleNamespace
     >>> pool = MessageBuffers()
-    >>> a = pool.get("recv", ("act", 0, 0), 1, 64, torch.device("cpu"))
-    >>> a is pool.get("recv", ("act", 0, 0), 1, 64, torch.device("cpu"))
+    >>> make = lambda: SimpleNamespace(buffer=torch.empty(64, dtype=torch.uint8))
+    >>> a = pool.get(("recv", ("act", 0, 0), 1), make)
+    >>> a is pool.get(("recv", ("act", 0, 0), 1), make)
     True
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -33,28 +38,29 @@ class MessageBuffers:
     (:meth:`unalias`). After a failed call the buffers are dropped (:meth:`clear`).
 
     Example:
+        >>> from types import SimpleNamespace
         >>> pool = MessageBuffers()
-        >>> a = pool.get("recv", ("act", 0, 0), 1, 64, torch.device("cpu"))
-        >>> a is pool.get("recv", ("act", 0, 0), 1, 64, torch.device("cpu"))
+        >>> make = lambda: SimpleNamespace(buffer=torch.empty(64, dtype=torch.uint8))
+        >>> slot = ("send", ("grad", 1, 0), 0)
+        >>> pool.get(slot, make) is pool.get(slot, make)
         True
     """
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.buffers: dict[tuple, Any] = {}
 
-    def get(self, direction: str, key: Key, peer: int, nbytes: int,
-            device: torch.device) -> torch.Tensor:
-        """The kept uint8 buffer of ``nbytes`` for this message (made on first use)."""
-        slot = (direction, key, peer, nbytes, device)
-        buffer = self.buffers.get(slot)
-        if buffer is None:
-            buffer = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buffer
+    def get(self, slot: tuple, make: Callable[[], Any]) -> Any:
+        """The kept buffer of message ``slot`` (direction, key, peer, payloads, device),
+        made by ``make()`` on first use (an object with a uint8 ``.buffer``)."""
+        found = self.buffers.get(slot)
+        if found is None:
+            found = self.buffers[slot] = make()
+        return found
 
     def unalias(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``tensors`` with a copy of each one whose memory is a kept buffer's (a gradient
         autograd passed through unchanged from a received one, say)."""
-        kept = {b.untyped_storage().data_ptr() for b in self.buffers.values()}
+        kept = {b.buffer.untyped_storage().data_ptr() for b in self.buffers.values()}
         return {n: t.clone() if isinstance(t, torch.Tensor) and
                 t.untyped_storage().data_ptr() in kept else t for n, t in tensors.items()}
 

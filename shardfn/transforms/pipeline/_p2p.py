@@ -46,7 +46,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -58,99 +57,40 @@ from shardfn.primitives._comm import Axis
 from shardfn.primitives.tags import UNITS, TagBlock
 from shardfn.transforms.pipeline._buffers import POOLED_KINDS, MessageBuffers
 from shardfn.transforms.pipeline._declared import (
+    _FULL_LEN,
+    _HEADER_LEN,
     _TENSOR,
-    _TUPLE,
     MAX_ENTRIES,
     Declared,
     DeclaredValue,
+    Packed,
+    _decode,
+    _header,
+    _header_values,
+    _nbytes,
+    _rebuild,
     declared_entries,
     declared_of_value,
     entries_of,
+    make_packed,
+    packed_layout,
 )
 
 __all__ = ["ERROR", "MAX_ENTRIES", "NONE", "OK", "PIPELINE", "Declared", "DeclaredValue",
-           "MessageBuffers", "Messenger", "PeerFailed", "declared_entries", "declared_of_value",
-           "entries_of", "packed_layout"]
+           "MessageBuffers", "Messenger", "Packed", "PeerFailed", "declared_entries",
+           "declared_of_value", "entries_of", "make_packed", "packed_layout"]
 
 #: the pipeline's message tags (right after shard_params' block)
 PIPELINE = TagBlock("pipeline_stages messages", UNITS.start + UNITS.size, 1 << 22)
 
 OK, ERROR, NONE = 0, 1, 2
-_MAX_DIMS = 8
-_ENTRY = 3 + _MAX_DIMS  # per entry: present, dtype, ndim, dims
-_HEADER_LEN = 4 + _ENTRY  # status, container, entries, text length, entry 0
-_FULL_LEN = 4 + MAX_ENTRIES * _ENTRY  # with the second header: entries 1, 2, ...
 _TAGS_PER_MESSAGE = 3 + MAX_ENTRIES  # header, error text, second header, one per payload
 _MAX_TEXT = 4096  # bytes of an error's text sent with its header
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
-           torch.complex128)
-
 Key = tuple  # ("act" | "grad" | "loss" | "out" | "leaf", stage, microbatch)
 
 
 class PeerFailed(RuntimeError):
     """A peer sent an error header: it failed during this call (its own error says why)."""
-
-
-_ALIGN = 16  # bytes: a packed payload's offset suits every dtype's view
-
-
-def _nbytes(entry: Declared) -> int:
-    return math.prod(entry.shape) * entry.dtype.itemsize
-
-
-def packed_layout(declared: list[Declared | None]) -> tuple[list[int | None], int, int]:
-    """``(offsets, header offset, total bytes)`` of a packed message with these payloads.
-
-    Example:
-        >>> packed_layout([Declared((3,), torch.float32), None])
-        ([0, None], 16, 384)
-    """
-    offsets: list[int | None] = []
-    at = 0
-    for entry in declared:
-        if entry is None:
-            offsets.append(None)
-            continue
-        offsets.append(at)
-        at += -(-_nbytes(entry) // _ALIGN) * _ALIGN
-    return offsets, at, at + _FULL_LEN * 4
-
-
-def _header(status: int, container: int, entries: list[torch.Tensor | None]) -> torch.Tensor:
-    values = [0] * _FULL_LEN  # filled as a list: one tensor op instead of a dozen
-    values[0:3] = status, container, len(entries)
-    for j, tensor in enumerate(entries):
-        if tensor is None:
-            continue
-        if tensor.dim() > _MAX_DIMS:
-            raise ValueError(f"pipeline messages carry tensors of at most {_MAX_DIMS} dims, "
-                             f"got shape {tuple(tensor.shape)} (entry {j})")
-        if tensor.dtype not in _DTYPES:
-            raise TypeError(f"pipeline messages cannot carry dtype {tensor.dtype} (entry {j})")
-        at = 4 + j * _ENTRY
-        values[at:at + 3] = 1, _DTYPES.index(tensor.dtype), tensor.dim()
-        values[at + 3:at + 3 + tensor.dim()] = tensor.shape
-    return torch.tensor(values, dtype=torch.int32)
-
-
-def _decode(header: torch.Tensor) -> tuple[int, int, list[Declared | None], int]:
-    """``(status, container, entries, text length)`` of a header."""
-    values = header.tolist()
-    entries: list[Declared | None] = []
-    for j in range(values[2]):
-        at = 4 + j * _ENTRY
-        present, dtype, ndim = values[at:at + 3]
-        entries.append(Declared(tuple(values[at + 3:at + 3 + ndim]), _DTYPES[dtype])
-                       if present else None)
-    return values[0], values[1], entries, values[3]
-
-
-def _rebuild(container: int, entries: list[torch.Tensor | None]) -> Any:
-    if container == _TENSOR:
-        return entries[0]
-    return tuple(entries) if container == _TUPLE else list(entries)
 
 
 class Messenger:
@@ -196,10 +136,13 @@ class Messenger:
         base = PIPELINE.start + _TAGS_PER_MESSAGE * k
         return base, base + 1, base + 2, [base + 3 + j for j in range(MAX_ENTRIES)]
 
-    def _buffer(self, direction: str, key: Key, peer: int, nbytes: int) -> torch.Tensor:
+    def _packed(self, direction: str, key: Key, peer: int, declared: list[Declared | None]
+                ) -> Packed:
+        """The packed buffer of this message: kept from the last call (``pool``) or fresh."""
         if self.pool is None or key[0] not in POOLED_KINDS:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self.pool.get(direction, key, peer, nbytes, self.device)
+            return make_packed(declared, self.device)
+        return self.pool.get((direction, key, peer, tuple(declared), self.device),
+                             lambda: make_packed(declared, self.device))
 
     def _post(self, ops: list, description: str) -> list:
         with stats.collective_scope(self.ax.describe(description)):
@@ -220,8 +163,7 @@ class Messenger:
         declared = declared_entries(self.declared(key))
         header_tag, text_tag, second_tag, payload_tags = self._tags(key)
         container, entries = entries_of(value) if status == OK else (_TENSOR, [])
-        payloads = [None if e is None else e.detach().to(self.device).contiguous()
-                    for e in entries]
+        payloads = [None if e is None else e.detach() for e in entries]
         if declared:
             wrong = [j for j, e in enumerate(payloads) if e is not None and
                      (j >= len(declared) or declared[j] != (tuple(e.shape), e.dtype))]
@@ -234,9 +176,10 @@ class Messenger:
                                  "shapes='dynamic' exchanges shapes with every message)")
             payloads += [None] * (len(declared) - len(payloads))
             self._send_packed(key, dst, (header_tag, text_tag), declared,
-                              _header(status, container, entries), payloads,
+                              _header_values(status, container, entries), payloads,
                               error if status == ERROR else None)
             return
+        payloads = [None if e is None else e.to(self.device).contiguous() for e in payloads]
         self.header_first += int(any(e is not None for e in payloads))
         full = _header(status, container, entries)
         header = full[:_HEADER_LEN].clone().to(self.device)
@@ -252,39 +195,42 @@ class Messenger:
                 ops.append(dist.P2POp(dist.isend, payload, group=self.ax.group,
                                       group_peer=dst, tag=tag))
         if status == ERROR:
-            ops.append(self._error_text(header, error, dst, text_tag))
+            text, header[3] = self._error_text(error, dst, text_tag)
+            ops.append(text)
         self._post_sends(key, dst, ops)
 
     def _send_packed(self, key: Key, dst: int, tags: tuple[int, int],
-                     declared: list[Declared | None], header: torch.Tensor,
+                     declared: list[Declared | None], header: list[int],
                      payloads: list[torch.Tensor | None], error: str | None) -> None:
         """One transfer: the declared payloads (zeros where ``payloads`` has None) and the
         header in one buffer; then the error text, if any."""
         header_tag, text_tag = tags
-        offsets, at, total = packed_layout(declared)
-        buffer = self._buffer("send", key, dst, total)
-        for entry, offset, payload in zip(declared, offsets, payloads, strict=True):
+        packed = self._packed("send", key, dst, declared)
+        for entry, view, payload in zip(declared, packed.payloads, payloads, strict=True):
             if entry is None:
                 continue
-            nbytes = _nbytes(entry)
-            stats.record(self.ax.key, "pipeline_send", nbytes)
-            region = buffer[offset:offset + nbytes]
+            stats.record(self.ax.key, "pipeline_send", _nbytes(entry))
             if payload is None:
-                region.zero_()
+                view.zero_()
             else:
-                region.copy_(payload.reshape(-1).view(torch.uint8))
-        text = [] if error is None else [self._error_text(header, error, dst, text_tag)]
-        buffer[at:].copy_(header.view(torch.uint8))  # after the text length went in
-        self._post_sends(key, dst, [dist.P2POp(dist.isend, buffer, group=self.ax.group,
+                view.copy_(payload)
+        text = []
+        if error is not None:
+            op, header[3] = self._error_text(error, dst, text_tag)
+            text.append(op)
+        if header != packed.written:  # a kept buffer of an unchanged header: already there
+            packed.header.copy_(torch.tensor(header, dtype=torch.int32))
+            packed.written[:] = header
+        self._post_sends(key, dst, [dist.P2POp(dist.isend, packed.buffer, group=self.ax.group,
                                                group_peer=dst, tag=header_tag), *text])
 
-    def _error_text(self, header: torch.Tensor, error: str, dst: int, tag: int) -> dist.P2POp:
-        """The send of an error's text (UTF-8, at most ``_MAX_TEXT`` bytes); its length goes
-        into ``header``."""
+    def _error_text(self, error: str, dst: int, tag: int) -> tuple[dist.P2POp, int]:
+        """The send of an error's text (UTF-8, at most ``_MAX_TEXT`` bytes), and its
+        length (for the header)."""
         text = torch.frombuffer(bytearray(error.encode()[:_MAX_TEXT] or b" "),
                                 dtype=torch.uint8).to(self.device)
-        header[3] = text.numel()
-        return dist.P2POp(dist.isend, text, group=self.ax.group, group_peer=dst, tag=tag)
+        return dist.P2POp(dist.isend, text, group=self.ax.group, group_peer=dst, tag=tag), \
+            text.numel()
 
     def _post_sends(self, key: Key, dst: int, ops: list) -> None:
         works = self._post(ops, f"pipeline send {key} to pp {dst}")
@@ -303,31 +249,30 @@ class Messenger:
         if not declared or (key, src) in self.posted or (key, src) in self.received:
             return False
         header_tag = self._tags(key)[0]
-        buffer = self._buffer("recv", key, src, packed_layout(declared)[2])
-        works = self._post([dist.P2POp(dist.irecv, buffer, group=self.ax.group,
+        packed = self._packed("recv", key, src, declared)
+        works = self._post([dist.P2POp(dist.irecv, packed.buffer, group=self.ax.group,
                                        group_peer=src, tag=header_tag)],
                            f"pipeline recv {key} from pp {src}")
-        self.posted[(key, src)] = (works, buffer)
+        self.posted[(key, src)] = (works, packed)
         return True
 
     def _recv_packed(self, key: Key, src: int, declared: list[Declared | None]) -> Any:
         header_tag, text_tag, _, _ = self._tags(key)
-        offsets, at, total = packed_layout(declared)
         description = f"pipeline recv {key} from pp {src}"
         posted = self.posted.pop((key, src), None)
         if posted is None:
-            buffer = self._buffer("recv", key, src, total)
-            works = self._post([dist.P2POp(dist.irecv, buffer, group=self.ax.group,
+            packed = self._packed("recv", key, src, declared)
+            works = self._post([dist.P2POp(dist.irecv, packed.buffer, group=self.ax.group,
                                            group_peer=src, tag=header_tag)], description)
         else:
-            works, buffer = posted
+            works, packed = posted
         for work in works:
             with stats.collective_scope(self.ax.describe(description)):
                 work.wait()
-        status, container, found, text_len = _decode(buffer[at:].view(torch.int32).cpu())
-        entries = [None if d is None or j >= len(declared) or declared[j] is None else
-                   buffer[offsets[j]:offsets[j] + _nbytes(d)].view(d.dtype).view(d.shape)
-                   for j, d in enumerate(found)]
+        status, container, found, text_len = _decode(packed.header.tolist())
+        # the sender checked its payloads against the same declaration
+        entries = [None if d is None or j >= len(declared) or declared[j] != d else
+                   packed.payloads[j] for j, d in enumerate(found)]
         return self._finish_recv(key, src, status, container, entries, text_len, text_tag)
 
     def _finish_recv(self, key: Key, src: int, status: int, container: int,
@@ -366,7 +311,7 @@ class Messenger:
         if int(header[0]) == OK and int(header[2]) > 1:
             self._wait_all([dist.P2POp(dist.irecv, second, group=self.ax.group,
                                        group_peer=src, tag=second_tag)], description)
-        status, container, found, text_len = _decode(torch.cat([header.cpu(), second.cpu()]))
+        status, container, found, text_len = _decode(header.tolist() + second.tolist())
         if status == OK and any(d is not None for d in found):
             self.header_first += 1
             payloads = [None if d is None else torch.empty(d.shape, dtype=d.dtype,

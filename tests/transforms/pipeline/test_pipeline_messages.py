@@ -38,7 +38,7 @@ def _repeated_steps(p: int, schedule: str, virtual: int, seeds: list[int], shape
     for seed in seeds:
         loss, grads = pp.value_and_grad(params, *batch(8, seed=seed))
         found.append((loss, grads))
-        kept.append(sorted(b.data_ptr() for b in pp.message_buffers.buffers.values()))
+        kept.append(sorted(b.buffer.data_ptr() for b in pp.message_buffers.buffers.values()))
     return found, kept
 
 
@@ -81,7 +81,7 @@ def _aliasing_steps():
     first = pp.value_and_grad(params, *batch(8, seed=1))[1]
     snapshot = {n: g.clone() for n, g in first.items()}
     pp.value_and_grad(params, *batch(8, seed=2))  # would overwrite a kept buffer's alias
-    kept = {b.untyped_storage().data_ptr() for b in pp.message_buffers.buffers.values()}
+    kept = {b.buffer.untyped_storage().data_ptr() for b in pp.message_buffers.buffers.values()}
     shared = [n for n, g in first.items() if g.untyped_storage().data_ptr() in kept]
     return first, snapshot, shared
 
