@@ -22,6 +22,7 @@ import shardfn as sf
 from shardfn.transforms.pipeline import pipeline_stages
 from shardfn.transforms.pipeline._p2p import Declared, Messenger
 from tests.transforms.pipeline._pipeline_models import batch, mlp_units, mse, reference
+from tests.transforms.pipeline.test_pipeline_errors import _Failing
 
 
 def _declared(rows: int, m: int, width: int = 8) -> sf.ShapeDtype:
@@ -95,29 +96,15 @@ def test_a_gradient_aliasing_a_kept_buffer_is_copied_out(worlds):
         assert_close(first, {n: ref_grads[n] for n in first})
 
 
-class _FailingOnCall(nn.Module):
-    """Raises on its ``when``-th call (counting from 0), else the identity."""
-
-    def __init__(self, when: int):
-        super().__init__()
-        self.when, self.calls = when, 0
-
-    def forward(self, x):
-        self.calls += 1
-        if self.calls - 1 == self.when:
-            raise RuntimeError("exploded on purpose")
-        return x
-
-
 def _fail_in_the_second_step(schedule: str):
-    units = [nn.Linear(4, 8), nn.Tanh(), _FailingOnCall(when=5), nn.Linear(8, 3)]
+    units = [nn.Linear(4, 8), nn.Tanh(), _Failing(when=5), nn.Linear(8, 3)]
     pp = pipeline_stages(units, sf.Mesh({"pp": 2}), balance=[2, 2], schedule=schedule,
                          microbatches=4, loss_fn=mse, shapes=_declared(8, 4))
     params = pp.init(0)
     pp.value_and_grad(params, *batch(8, seed=1))  # calls 0-3 pass
     start = time.perf_counter()
-    try:
-        pp.value_and_grad(params, *batch(8, seed=2))  # call 5: micro-batch 1 of step 2
+    try:  # call 5 (counting from 0): micro-batch 1 of step 2
+        pp.value_and_grad(params, *batch(8, seed=2))
         failed = None
     except Exception as error:  # noqa: BLE001 - the test looks at which error each rank got
         failed = (type(error).__name__, str(error))
