@@ -60,7 +60,8 @@ class PipelineModel:
         stage_models: this rank's stage index -> its ``stage_transform``-ed model
             (empty without a ``stage_transform``).
         infer_shapes: infer the boundary shapes once per batch signature (``shapes=None``).
-        shape_cache: the inferred shapes (:class:`~.shapes.ShapeCache`).
+        shape_cache: the inferred shapes (:class:`~.shapes.ShapeCache`; with declared
+            shapes only the loss's and ``apply``'s outputs' are used).
         message_buffers: the activation and gradient message buffers kept from one
             ``value_and_grad`` to the next (:class:`~._buffers.MessageBuffers`; about one
             activation per boundary and micro-batch, each way, as torch's stages keep).
@@ -79,6 +80,14 @@ class PipelineModel:
     @property
     def schedule(self) -> Schedule:
         return self.plan.schedule
+
+    @property
+    def _caches_shapes(self) -> bool:
+        """Whether calls cache what their first call found per batch signature: the
+        activations' shapes (``shapes=None``), or with declared shapes the loss's and
+        ``apply``'s outputs' (not ``"dynamic"``), so that those messages are declared
+        too (one transfer, posted ahead) from the second call on."""
+        return self.infer_shapes or self.plan.declared is not None
 
     @property
     def full(self) -> FunctionalModel:
@@ -193,7 +202,7 @@ class PipelineModel:
                     for n, t in params.items()}
 
         key = signature(inputs, targets, self.schedule.n_microbatches) \
-            if self.infer_shapes else None
+            if self._caches_shapes else None
         inferred = self.shape_cache.get(key)
         loss, grads, step_report = run_step(self.plan, prepare, inputs, targets, inferred,
                                             mutable, self.message_buffers)
@@ -221,7 +230,7 @@ class PipelineModel:
             self._check_batch(inputs, None)
             return params
 
-        key = signature(inputs, None, self.schedule.n_microbatches) if self.infer_shapes \
+        key = signature(inputs, None, self.schedule.n_microbatches) if self._caches_shapes \
             else None
         inferred = self.shape_cache.get(key)
         out, shapes = run_forward(self.plan, prepare, inputs, inferred)

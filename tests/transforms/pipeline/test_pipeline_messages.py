@@ -155,3 +155,32 @@ def test_messenger_prepost_receives_the_same_values(worlds):
     assert_close(got, [value, value + 1, value + 2])
     assert left == 0
 
+
+
+def _declared_steps(p: int):
+    pp = pipeline_stages(mlp_units(2 * p + 1), sf.Mesh({"pp": p}), balance=[2] * (p - 1) + [3],
+                         schedule="1f1b", microbatches=4, loss_fn=mse, shapes=_declared(8, 4))
+    params = pp.init(0)
+    found = []
+    for seed in (1, 2, 3):
+        loss, grads, report = pp.value_and_grad(params, *batch(8, seed=seed), report=True)
+        found.append((loss, grads, report.header_first))
+    out = [pp.apply(params, batch(8, seed=1)[0]) for _ in range(2)]
+    return found, out
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_declared_shapes_declare_the_loss_from_the_second_step(worlds, p):
+    """With ``shapes=`` the loss (and ``apply``'s output) is the only message the first
+    step exchanges header first; from the second step on it is declared too."""
+    for rank, (found, out) in enumerate(worlds(p).run(_declared_steps, p)):
+        counts = [count for _, _, count in found]
+        assert counts[0] == (p - 1 if rank == p - 1 else 1), (rank, counts)
+        assert counts[1:] == [0, 0], (rank, counts)
+        for seed, (loss, grads, _) in zip((1, 2, 3), found, strict=True):
+            _, ref_loss, ref_grads, ref_out = reference(mlp_units(2 * p + 1), 0,
+                                                        *batch(8, seed=seed))
+            assert_close(loss, ref_loss)
+            assert_close(grads, {n: ref_grads[n] for n in grads})
+        ref_out = reference(mlp_units(2 * p + 1), 0, *batch(8, seed=1))[3]
+        assert_close(out, [ref_out, ref_out])
