@@ -41,6 +41,7 @@ from shardfn.transforms.pipeline.stage import (
     resolve_balance,
     stage_module,
 )
+from shardfn.transforms.pipeline.values import describe
 from shardfn.transforms.shard_params import ShardedModel
 
 __all__ = ["PipelineModel", "pipeline_stages"]
@@ -60,11 +61,9 @@ class PipelineModel:
         stage_models: this rank's stage index -> its ``stage_transform``-ed model
             (empty without a ``stage_transform``).
         infer_shapes: infer the boundary shapes once per batch signature (``shapes=None``).
-        shape_cache: the inferred shapes (:class:`~.shapes.ShapeCache`; with declared
-            shapes only the loss's and ``apply``'s outputs' are used).
-        message_buffers: the activation and gradient message buffers kept from one
-            ``value_and_grad`` to the next (:class:`~._buffers.MessageBuffers`; about one
-            activation per boundary and micro-batch, each way, as torch's stages keep).
+        shape_cache: the inferred shapes (:class:`~.shapes.ShapeCache`).
+        message_buffers: activation and gradient message buffers kept from one
+            ``value_and_grad`` to the next (:class:`~._buffers.MessageBuffers`).
     """
 
     mesh: Mesh
@@ -83,10 +82,8 @@ class PipelineModel:
 
     @property
     def _caches_shapes(self) -> bool:
-        """Whether calls cache what their first call found per batch signature: the
-        activations' shapes (``shapes=None``), or with declared shapes the loss's and
-        ``apply``'s outputs' (not ``"dynamic"``), so that those messages are declared
-        too (one transfer, posted ahead) from the second call on."""
+        """Whether the first call per batch signature infers shapes: all (``shapes=None``),
+        or with declared shapes the loss's and ``apply``'s outputs'; not ``"dynamic"``."""
         return self.infer_shapes or self.plan.declared is not None
 
     @property
@@ -310,7 +307,7 @@ class PipelineModel:
         if targets is not None and (not isinstance(targets, torch.Tensor)
                                     or targets.dim() == 0 or targets.shape[0] != batch):
             raise ValueError(f"pipeline targets must be a tensor with the inputs' batch size "
-                             f"{batch} on dim 0, got {_shape_text(targets)}")
+                             f"{batch} on dim 0, got {describe(targets)}")
         if self.plan.declared is not None and batch % m:
             raise ValueError(f"pipeline: shapes= declares one shape per micro-batch, so the "
                              f"batch ({batch} rows) must split evenly into {m} micro-batches")
@@ -321,12 +318,6 @@ def _refuse_transforms(what: str) -> None:
         raise RuntimeError(f"pipeline {what} runs a whole pipelined step with its own autograd "
                            "and messages between ranks; it cannot run under torch.func "
                            "transforms (grad, vmap, ...): call it directly")
-
-
-def _shape_text(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"shape {tuple(value.shape)}"
-    return type(value).__name__
 
 
 def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis: str = "pp",
