@@ -116,8 +116,8 @@ class Messenger:
         self.ax = ax
         self.device = torch.device(device)
         self.pool = pool
-        #: (key, src) -> (works, buffer) of a receive posted ahead (:meth:`prepost`)
-        self.posted: dict[tuple[Key, int], tuple[list, torch.Tensor]] = {}
+        #: (key, src) -> (works, its Packed buffer) of a packed receive posted, not waited
+        self.posted: dict[tuple[Key, int], tuple[list, Packed]] = {}
         self.tag_of = tag_of
         self.declared = declared
         #: (key, dst) -> (works, tensors kept alive until they are waited), in posting order
@@ -240,40 +240,48 @@ class Messenger:
     def prepost(self, key: Key, src: int) -> bool:
         """Post the receive of message ``key`` from ``src`` now, to be waited by
         :meth:`recv`: the transfer then happens while this rank computes (a message
-        whose payloads are declared only; the others wait for their header).
+        whose payloads are declared only; the others wait for their header). On gloo
+        (CPU) only: on NCCL a receive posted ahead would hold up the sends queued
+        behind it on the communicator.
 
         Returns:
             Whether a receive was posted.
         """
+        if self.device.type != "cpu":
+            return False
+        return self._post_recv(key, src)
+
+    def _post_recv(self, key: Key, src: int) -> bool:
+        """Post the packed receive of ``key`` into :attr:`posted` (declared messages not
+        yet posted or received only)."""
         declared = declared_entries(self.declared(key))
         if not declared or (key, src) in self.posted or (key, src) in self.received:
             return False
-        header_tag = self._tags(key)[0]
         packed = self._packed("recv", key, src, declared)
         works = self._post([dist.P2POp(dist.irecv, packed.buffer, group=self.ax.group,
-                                       group_peer=src, tag=header_tag)],
+                                       group_peer=src, tag=self._tags(key)[0])],
                            f"pipeline recv {key} from pp {src}")
         self.posted[(key, src)] = (works, packed)
         return True
 
     def _recv_packed(self, key: Key, src: int, declared: list[Declared | None]) -> Any:
-        header_tag, text_tag, _, _ = self._tags(key)
-        description = f"pipeline recv {key} from pp {src}"
-        posted = self.posted.pop((key, src), None)
-        if posted is None:
-            packed = self._packed("recv", key, src, declared)
-            works = self._post([dist.P2POp(dist.irecv, packed.buffer, group=self.ax.group,
-                                           group_peer=src, tag=header_tag)], description)
-        else:
-            works, packed = posted
-        for work in works:
-            with stats.collective_scope(self.ax.describe(description)):
-                work.wait()
+        self._post_recv(key, src)  # unless posted ahead
+        works, packed = self.posted.pop((key, src))
+        self._wait(works, f"pipeline recv {key} from pp {src}")
         status, container, found, text_len = _decode(packed.header.tolist())
-        # the sender checked its payloads against the same declaration
-        entries = [None if d is None or j >= len(declared) or declared[j] != d else
-                   packed.payloads[j] for j, d in enumerate(found)]
-        return self._finish_recv(key, src, status, container, entries, text_len, text_tag)
+        wrong = [j for j, d in enumerate(found)
+                 if d is not None and (j >= len(declared) or declared[j] != d)]
+        if wrong:  # the sender checked its payloads against its own declaration
+            j = wrong[0]
+            self.received.add((key, src))  # taken: settling must not wait for it again
+            raise RuntimeError(f"pipeline message {key} from pp rank {src}: entry {j} is "
+                               f"{found[j]} on the sender, but this rank declares "
+                               f"{declared[j] if j < len(declared) else None}; the ranks' "
+                               "declared or inferred shapes disagree (pp.shape_cache.clear() "
+                               "on every rank, or shapes='dynamic')")
+        entries = [None if d is None else packed.payloads[j] for j, d in enumerate(found)]
+        return self._finish_recv(key, src, status, container, entries, text_len,
+                                 self._tags(key)[1])
 
     def _finish_recv(self, key: Key, src: int, status: int, container: int,
                      entries: list[torch.Tensor | None], text_len: int, text_tag: int) -> Any:
@@ -324,9 +332,11 @@ class Messenger:
         return self._finish_recv(key, src, status, container, entries, text_len, text_tag)
 
     def _wait_all(self, ops: list, description: str) -> None:
-        if not ops:
-            return
-        for work in self._post(ops, description):
+        if ops:
+            self._wait(self._post(ops, description), description)
+
+    def _wait(self, works: list, description: str) -> None:
+        for work in works:
             with stats.collective_scope(self.ax.describe(description)):
                 work.wait()
 
@@ -338,9 +348,7 @@ class Messenger:
     def wait_sent(self, key: Key, dst: int) -> None:
         """Wait for the send of ``key`` to ``dst`` (if still pending) and drop its tensors."""
         works, _ = self.pending.pop((key, dst), ([], []))
-        for work in works:
-            with stats.collective_scope(self.ax.describe(f"pipeline send {key} to pp {dst}")):
-                work.wait()
+        self._wait(works, f"pipeline send {key} to pp {dst}")
 
     def settle(self, owed: Iterable[tuple[Key, int]], expected: Iterable[tuple[Key, int]],
                error: str) -> None:

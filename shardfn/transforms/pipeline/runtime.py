@@ -15,12 +15,11 @@
   gradients later (:mod:`._weight_grad`) and frees it.
 
 Sends are non-blocking (:mod:`._p2p`) and all waited before the step returns.
-On gloo the next receive (in the rank's schedule order) is posted as soon as the
+The next receive (in the rank's schedule order) is posted as soon as the
 previous one is taken, when its shapes are declared or inferred: the transfer
 happens while the rank computes, and the receive is done when the action needs
-it. (Not on NCCL, where a receive posted ahead would hold up the sends queued
-behind it on the communicator.) With a :class:`~._buffers.MessageBuffers` pool the
-packed buffers are reused from step to step.
+it (on gloo only: :meth:`~._p2p.Messenger.prepost`). With a
+:class:`~._buffers.MessageBuffers` pool the packed buffers are reused from step to step.
 
 On any error (a stage raising, a declared shape not met, a peer's error header)
 the rank settles its messages (error headers for what it owes, drains what it
@@ -176,10 +175,9 @@ class StepState:
                  messenger: Messenger, inferred: Mapping[tuple, DeclaredValue] | None = None,
                  mutable: bool = False, receives: Sequence[tuple[tuple, int]] = ()):
         self.plan = plan
-        #: this rank's receives in schedule order, each posted once the one before is
-        #: taken (empty: none posted ahead)
-        self.receives = list(receives)
-        self.next_receive = 0
+        #: this rank's receives in schedule order not posted yet, each posted once the one
+        #: before is taken (:meth:`post_next`)
+        self.receives = iter(receives)
         #: with ``mutable``: this rank's buffers as the forwards so far left them
         self.buffers = None if not mutable else {
             n: leaves[n] for st in plan.stages.on_rank(plan.rank) for n in st.names
@@ -216,10 +214,9 @@ class StepState:
     def post_next(self) -> None:
         """Post the schedule's next receive ahead of its action (see the module docstring);
         one whose shapes are not known is not: its action receives it."""
-        if self.next_receive < len(self.receives):
-            key, src = self.receives[self.next_receive]
-            self.next_receive += 1
-            self.messenger.prepost(key, src)
+        found = next(self.receives, None)
+        if found is not None:
+            self.messenger.prepost(*found)
 
     def take(self, kind: str, stage: int, microbatch: int) -> torch.Tensor | None:
         src = stage_rank(stage, self.plan.schedule.n_ranks)
@@ -406,8 +403,7 @@ def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
     action: Action | None = None
     try:
         leaves = prepare()
-        step = StepState(plan, leaves, inputs, targets, messenger, inferred, mutable,
-                         expected if plan.device.type == "cpu" else ())
+        step = StepState(plan, leaves, inputs, targets, messenger, inferred, mutable, expected)
         step.post_next()
         for action in plan.schedule.actions[plan.rank]:
             step.run(action)

@@ -184,3 +184,26 @@ def test_declared_shapes_declare_the_loss_from_the_second_step(worlds, p):
             assert_close(grads, {n: ref_grads[n] for n in grads})
         ref_out = reference(mlp_units(2 * p + 1), 0, *batch(8, seed=1))[3]
         assert_close(out, [ref_out, ref_out])
+
+
+def _disagreeing_declarations():
+    pp = pipeline_stages(mlp_units(3), sf.Mesh({"pp": 2}), balance=[2, 1], schedule="gpipe",
+                         microbatches=1, loss_fn=mse)
+    ax = pp.plan.ax
+    mine = Declared((2, 3) if ax.index == 0 else (3, 2), torch.float32)  # same bytes
+    messenger = Messenger(ax, {("act", 0, 0): 0}.__getitem__, {("act", 0, 0): mine}.get)
+    if ax.index == 0:
+        messenger.send(("act", 0, 0), 1, torch.arange(6.0).reshape(2, 3))
+        messenger.finish()
+        return None
+    try:
+        messenger.recv(("act", 0, 0), 0)
+    except RuntimeError as error:
+        return str(error), (("act", 0, 0), 0) in messenger.received
+    return "no error"
+
+
+def test_ranks_whose_declarations_disagree_get_an_error_not_a_value(worlds):
+    text, taken = worlds(2).run(_disagreeing_declarations)[1]
+    assert "disagree" in text and "(2, 3)" in text and "(3, 2)" in text, text
+    assert taken  # settling after the error does not wait for the message again
