@@ -14,7 +14,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 lint: $(STAMP)
-	$(PY) -m ruff check shardfn tests examples benchmarks
+	$(PY) -m ruff check shardfn tests examples benchmarks docs/notebooks
 
 test: lint
 	$(PY) -m pytest -q

@@ -15,11 +15,15 @@
   gradients later (:mod:`._weight_grad`) and frees it.
 
 Sends are non-blocking (:mod:`._p2p`) and all waited before the step returns.
-The next receive (in the rank's schedule order) is posted as soon as the
-previous one is taken, when its shapes are declared or inferred: the transfer
-happens while the rank computes, and the receive is done when the action needs
-it (on gloo only: :meth:`~._p2p.Messenger.prepost`). With a
-:class:`~._buffers.MessageBuffers` pool the packed buffers are reused from step to step.
+Every receive of the step whose shapes are declared or inferred is posted when
+the step starts: each transfer happens as soon as its sender posts it, while
+this rank computes, and the receive is done when the action needs it (on gloo
+only: :meth:`~._p2p.Messenger.prepost`). Posting them all at once, not one ahead
+of its action, keeps the posts out of the actions: a post made while this
+rank's last send is still moving waits for the connection (2-7 ms on gloo). The
+receive buffers of the whole step therefore exist from its start; with a
+:class:`~._buffers.MessageBuffers` pool (the pipeline model's) they are the
+buffers kept from step to step anyway.
 
 On any error (a stage raising, a declared shape not met, a peer's error header)
 the rank settles its messages (error headers for what it owes, drains what it
@@ -175,9 +179,8 @@ class StepState:
                  messenger: Messenger, inferred: Mapping[tuple, DeclaredValue] | None = None,
                  mutable: bool = False, receives: Sequence[tuple[tuple, int]] = ()):
         self.plan = plan
-        #: this rank's receives in schedule order not posted yet, each posted once the one
-        #: before is taken (:meth:`post_next`)
-        self.receives = iter(receives)
+        #: this rank's receives in schedule order, posted by :meth:`post_receives`
+        self.receives = tuple(receives)
         #: with ``mutable``: this rank's buffers as the forwards so far left them
         self.buffers = None if not mutable else {
             n: leaves[n] for st in plan.stages.on_rank(plan.rank) for n in st.names
@@ -211,12 +214,11 @@ class StepState:
                 self.seen[key] = declared_of_value(tensor)
             self.messenger.send(key, dst, tensor, OK if tensor is not None else NONE)
 
-    def post_next(self) -> None:
-        """Post the schedule's next receive ahead of its action (see the module docstring);
-        one whose shapes are not known is not: its action receives it."""
-        found = next(self.receives, None)
-        if found is not None:
-            self.messenger.prepost(*found)
+    def post_receives(self) -> None:
+        """Post the step's receives ahead of their actions (see the module docstring); one
+        whose shapes are not known is not: its action receives it."""
+        for key, src in self.receives:
+            self.messenger.prepost(key, src)
 
     def take(self, kind: str, stage: int, microbatch: int) -> torch.Tensor | None:
         src = stage_rank(stage, self.plan.schedule.n_ranks)
@@ -228,7 +230,6 @@ class StepState:
             value = self.messenger.recv(key, src)
         finally:
             self.wait += time.perf_counter() - start
-        self.post_next()
         for sent in self.plan.releases.get((key, src), ()):
             self.messenger.wait_sent(*sent)
         if kind == "act" and value is not None:
@@ -404,7 +405,7 @@ def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
     try:
         leaves = prepare()
         step = StepState(plan, leaves, inputs, targets, messenger, inferred, mutable, expected)
-        step.post_next()
+        step.post_receives()
         for action in plan.schedule.actions[plan.rank]:
             step.run(action)
         holder = stage_rank(plan.n_stages - 1, plan.schedule.n_ranks)

@@ -1,7 +1,7 @@
 """Receives posted ahead and message buffers kept from step to step.
 
-With declared (or inferred) shapes each rank posts its next receive as soon as
-it has taken the one before, and a pipeline model keeps its activation and
+With declared (or inferred) shapes each rank posts every receive of the step
+when the step starts (none from inside an action), and a pipeline model keeps its activation and
 gradient buffers for the next step, as torch's stages keep their receive
 buffers. Neither may change a number: steps stay equal to the unsplit model,
 no returned gradient shares memory with a kept buffer (the next step would
@@ -207,3 +207,46 @@ def test_ranks_whose_declarations_disagree_get_an_error_not_a_value(worlds):
     text, taken = worlds(2).run(_disagreeing_declarations)[1]
     assert "disagree" in text and "(2, 3)" in text and "(3, 2)" in text, text
     assert taken  # settling after the error does not wait for the message again
+
+
+def _posted_before_the_first_action(schedule: str, virtual: int):
+    import shardfn.transforms.pipeline.runtime as runtime
+    from shardfn.transforms.pipeline.messages import message_lists
+
+    p = 2
+    pp = pipeline_stages(mlp_units(2 * p * virtual + 1), sf.Mesh({"pp": p}),
+                         balance=[2] * (p * virtual - 1) + [3], schedule=schedule,
+                         microbatches=4, loss_fn=mse, virtual=virtual, shapes=_declared(8, 4))
+    params = pp.init(0)
+    pp.value_and_grad(params, *batch(8, seed=1))  # the loss is declared from the 2nd step
+    seen, original = [], runtime.StepState.run
+
+    def run(self, action):
+        if not seen:
+            seen.append(set(self.messenger.posted))
+        posts = len(self.messenger.posted) + len(self.messenger.received)
+        original(self, action)
+        seen.append(len(self.messenger.posted) + len(self.messenger.received) - posts)
+
+    runtime.StepState.run = run
+    try:
+        loss, grads = pp.value_and_grad(params, *batch(8, seed=2))
+    finally:
+        runtime.StepState.run = original
+    expected = set(message_lists(pp.plan.schedule, pp.plan.ax.index)[1])
+    return seen[0], expected, seen[1:], loss, grads
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("interleaved", 2)])
+def test_every_declared_receive_is_posted_when_the_step_starts(worlds, schedule, virtual):
+    """No receive is posted from inside an action (a post there can wait for the
+    connection while this rank's last send moves): all are posted before the first."""
+    n_units = 4 * virtual + 1
+    for posted, expected, changes, loss, grads in worlds(2).run(
+            _posted_before_the_first_action, schedule, virtual):
+        assert posted == expected and expected
+        # each action only takes posted receives: posted + received stays the same
+        assert changes == [0] * len(changes), changes
+        _, ref_loss, ref_grads, _ = reference(mlp_units(n_units), 0, *batch(8, seed=2))
+        assert_close(loss, ref_loss)
+        assert_close(grads, {n: ref_grads[n] for n in grads})
