@@ -76,8 +76,10 @@ TARGETS = (
            "autograd step", "ratio (target", "<=", 1.0),
     Target("tp", "tensor_split no slower than torch parallelize_module (torch.func step)",
            "torch.func step", "ratio (target", "<=", 1.0),
-    Target("pp", "pipeline_stages no slower than torch.distributed.pipelining, each schedule",
-           "shardfn pipeline_stages", "ratio to torch", "<=", 1.0),
+    *(Target("pp", f"pipeline_stages no slower than torch.distributed.pipelining, {label}",
+             f"schedule='{name}'", "ratio to torch", "<=", 1.0)
+      for name, label in (("gpipe", "GPipe"), ("1f1b", "1F1B"), ("interleaved", "interleaved"),
+                          ("zb-h1", "ZB-H1 (beyond the three schedules #12 names)"))),
     Target("ckpt", "sf.checkpoint save no slower than DCP + FSDP2", "save (s)",
            "ratio sf/torch", "<=", 1.0),
     Target("ckpt", "sf.checkpoint load no slower than DCP + FSDP2", "load (s)",
@@ -213,13 +215,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="each benchmark's --quick")
     parser.add_argument("--only", nargs="+", choices=[b.key for b in BENCHES])
     parser.add_argument("--out", default=os.path.join(DOCS, "benchmark_report.md"))
+    parser.add_argument("--from-json", metavar="FILE",
+                        help="write the report from the raw outputs a run saved (the path it "
+                             "printed), running nothing")
     args = parser.parse_args(argv)
     os.makedirs(IMG, exist_ok=True)
     sys.path.insert(0, HERE)
     from _common import machine_info
 
     outputs, seconds = {}, {}
-    for bench in BENCHES:
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        outputs, seconds = saved["outputs"], saved["seconds"]
+    for bench in BENCHES if not args.from_json else ():
         if args.only and bench.key not in args.only:
             continue
         print(f"== {bench.script}", flush=True)
