@@ -20,13 +20,14 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-__all__ = ["Slot", "call_swapped", "plan_slots"]
+__all__ = ["Slot", "call_module", "call_swapped", "module_slots", "plan_slots"]
 
 Params = dict[str, torch.Tensor]
 
@@ -87,3 +88,53 @@ def plan_slots(module: nn.Module, tied: Mapping[str, str], leaves: set[str]
     if {slot.leaf for slot in slots} != leaves:
         return None
     return tuple(slots)
+
+
+def module_slots(module: nn.Module, names: Sequence[str]) -> tuple[Slot, ...] | None:
+    """:func:`plan_slots` for a call given ``names`` (the module's own registered names),
+    as ``functional_call(..., tie_weights=True, strict=True)`` reads them: a registered
+    name that is not in ``names`` takes the value of one that is and shares its tensor
+    in the skeleton (a tied alias). None: ``functional_call`` must do the call (also when
+    ``names`` holds several names of one tied tensor: it checks they get one value)."""
+    present = set(names)
+    by_tensor: dict[int, list[str]] = {}
+    for name, tensor in [*module.named_parameters(remove_duplicate=False),
+                         *module.named_buffers(remove_duplicate=False)]:
+        by_tensor.setdefault(id(tensor), []).append(name)
+    tied = {}
+    for group in by_tensor.values():
+        owners = [n for n in group if n in present]
+        if len(owners) > 1:
+            return None
+        tied.update({n: owners[0] for n in group if owners and n not in present})
+    return plan_slots(module, tied, present)
+
+
+#: module -> {the names a call gives: its slots, or None}: worked out on a module's first
+#: call with those names (weakly keyed: a copied or dropped skeleton gets its own)
+_CALL_SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def call_module(module: nn.Module, call_params: Params, args: tuple, kwargs: dict) -> Any:
+    """``functional_call(module, call_params, args, kwargs, tie_weights=True, strict=True)``,
+    with the slots of ``module`` for these names worked out once (:func:`module_slots`)
+    and the leaves swapped in by :func:`call_swapped`; ``functional_call`` itself where
+    the slots cannot be planned (a parametrized module, names that do not match).
+
+    Example:
+        >>> net = nn.Linear(2, 2)
+        >>> call_module(net, {"weight": torch.eye(2), "bias": torch.zeros(2)},
+        ...             (torch.ones(1, 2),), {})
+        tensor([[1., 1.]])
+    """
+    per_module = _CALL_SLOTS.get(module)
+    if per_module is None:
+        per_module = _CALL_SLOTS[module] = {}
+    key = tuple(call_params)
+    if key not in per_module:
+        per_module[key] = module_slots(module, key)
+    slots = per_module[key]
+    if slots is None:
+        return torch.func.functional_call(module, call_params, args, kwargs, tie_weights=True,
+                                          strict=True)
+    return call_swapped(module, slots, call_params, args, kwargs)

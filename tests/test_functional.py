@@ -803,3 +803,84 @@ def test_apply_after_a_pickle_round_trip_swaps_into_the_copy():
                                                                   strict=True))
     assert clone._slots[0].table is clone.module.emb._parameters
     assert _skeleton_tensors(clone) == _skeleton_tensors(model)
+
+
+# ------------------------------------- call_module: the swap for shard_params and tensor_split
+
+
+def _plain_reassigns() -> nn.Module:
+    module = _Reassigns()
+    with torch.no_grad():
+        module.emb.weight.copy_(torch.arange(9.0).reshape(3, 3) / 9)
+    return module
+
+
+@pytest.mark.parametrize("names", [("emb.weight", "count"), ("head.weight", "count"),
+                                   ("emb.weight", "head.weight", "count")])
+def test_call_module_equals_functional_call_with_tied_names(names):
+    """The call's names are the module's own; a tied alias left out takes its owner's
+    value (``tie_weights=True``); a reassigned buffer comes back in the dict."""
+    from shardfn._functional_swap import call_module, module_slots
+
+    module = _plain_reassigns()
+    weight = torch.randn(3, 3)
+    x = torch.randn(2, 3)
+
+    def call_params():
+        return {n: (weight if n.endswith("weight") else torch.zeros(())) for n in names}
+
+    got_params, ref_params = call_params(), call_params()
+    out = call_module(module, got_params, (x,), {})
+    expected = functional_call(module, ref_params, (x,), tie_weights=True, strict=True)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(out, x @ weight.T @ weight.T)
+    assert got_params["count"].item() == 1 == ref_params["count"].item()
+    assert module.head.weight is module.emb.weight and module.count.item() == 0  # restored
+    with pytest.raises(ValueError, match="on purpose"):
+        call_module(module, call_params(), (x,), {"fail": True})
+    assert module.head.weight is module.emb.weight and module.count.item() == 0
+
+    def with_weight(w):
+        return {**call_params(), **{n: w for n in names if n.endswith("weight")}}
+
+    grads = grad(lambda w: call_module(module, with_weight(w), (x,), {}).sum())(weight)
+    ref = grad(lambda w: functional_call(module, with_weight(w), (x,), tie_weights=True,
+                                         strict=True).sum())(weight)
+    torch.testing.assert_close(grads, ref)
+    # both names of the tied weight: functional_call does the call (it checks one value)
+    assert (module_slots(module, names) is None) == (len(names) == 3)
+    if len(names) == 3:
+        with pytest.raises(ValueError, match="tied"):
+            call_module(module, {**call_params(), "head.weight": weight.clone()}, (x,), {})
+
+
+def test_call_module_names_that_do_not_match_raise_as_functional_call_does():
+    from shardfn._functional_swap import call_module, module_slots
+
+    module = nn.Linear(2, 2)
+    x = torch.randn(1, 2)
+    assert module_slots(module, ("weight",)) is None  # bias missing
+    assert module_slots(module, ("weight", "bias", "extra")) is None
+    for params in ({"weight": torch.eye(2)}, {"weight": torch.eye(2), "bias": torch.zeros(2),
+                                              "extra": torch.zeros(1)}):
+        with pytest.raises(RuntimeError) as ours:
+            call_module(module, params, (x,), {})
+        with pytest.raises(RuntimeError) as theirs:
+            functional_call(module, params, (x,), tie_weights=True, strict=True)
+        assert str(ours.value) == str(theirs.value)
+
+
+def test_call_module_gives_a_copied_module_its_own_slots():
+    import copy
+
+    from shardfn._functional_swap import _CALL_SLOTS, call_module
+
+    module = nn.Linear(2, 2)
+    params = {"weight": torch.eye(2), "bias": torch.ones(2)}
+    x = torch.randn(1, 2)
+    call_module(module, params, (x,), {})
+    twin = copy.deepcopy(module)
+    torch.testing.assert_close(call_module(twin, params, (x,), {}), x + 1)
+    (slots,) = _CALL_SLOTS[twin].values()
+    assert all(slot.table is twin._parameters for slot in slots)
+    assert twin.weight is not params["weight"] and module.weight is not params["weight"]

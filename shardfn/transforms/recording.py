@@ -250,7 +250,8 @@ class Recorder(TorchDispatchMode):
         """Refuse an op input that requires grad and is not (a cast of) an argument.
 
         Override it to accept such inputs (shard_params' units read their
-        parameters through ``functional_call``, not through their arguments).
+        parameters from the module skeleton they are swapped into, not through their
+        arguments).
         """
         for t in torch_tree_flatten((args, kwargs))[0]:
             if (isinstance(t, torch.Tensor) and t.requires_grad

@@ -6,9 +6,10 @@ paths: style}`` (styles in :mod:`shardfn.transforms._tp_styles`: ``"colwise"``,
 returns a :class:`TensorSplitModel`:
 
 * ``init(seed)``: this rank's shards, cut from ``fmodel.init(seed)``;
-* ``apply(params, ...)``: pure, torch.func-compatible: ``functional_call`` on a
-  private copy of the skeleton whose matched modules are replaced by wrappers
-  holding the same parameter names (the user's module is never changed); each
+* ``apply(params, ...)``: pure, torch.func-compatible: the leaves swapped into a
+  private copy of the skeleton, as ``functional_call`` does (where each goes is
+  worked out once), whose matched modules are replaced by wrappers holding the
+  same parameter names (the user's module is never changed); each
   wrapper computes its local slice and puts the collectives around it
   (Megatron ``f`` = ``sf.pvary`` into a colwise layer, ``g`` =
   ``sf.psum_invariant`` out of a rowwise layer or a vocab embedding);
@@ -54,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardfn._functional_swap import call_module
 from shardfn.functional import FunctionalModel
 from shardfn.mesh import Mesh, get_mesh
 from shardfn.primitives import all_gather
@@ -272,8 +274,7 @@ class TensorSplitModel:
         for name in self.fmodel.buffer_names:
             call_params[name] = call_params[name].clone()
         with call_streams(self.mesh.index(self.axis)):
-            out = torch.func.functional_call(self.module, call_params, args, kwargs,
-                                             tie_weights=True, strict=True)
+            out = call_module(self.module, call_params, args, kwargs)
         if not mutable:
             return out
         return out, {name: call_params[name] for name in self.fmodel.buffer_names}

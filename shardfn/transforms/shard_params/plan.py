@@ -81,7 +81,7 @@ class Flat:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Unit:
-    """A unit: the module ``functional_call`` runs and the leaves it owns or uses."""
+    """A unit: the module its calls run (leaves swapped in) and the leaves it owns or uses."""
 
     index: int  # position in ShardedModel.units; -1 for the root unit
     path: str  # "" for the root

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from shardfn import pytree
+from shardfn._functional_swap import call_module as swap_call
 from shardfn._torch_internals import temporarily_clear_interpreter_stack, unwrap_functorch
 from shardfn.transforms.recording import RngState
 from shardfn.transforms.shard_params.exchange import UnitGather, no_functorch
@@ -66,9 +67,10 @@ class CallRecord:
 
 
 def call_module(unit: Unit, params: Params, args: tuple, kwargs: dict) -> Any:
-    """Run ``unit.module`` on ``params`` (by the module's own names)."""
-    return torch.func.functional_call(unit.module, params, args, kwargs, tie_weights=True,
-                                      strict=True)
+    """Run ``unit.module`` on ``params`` (by the module's own names), as ``functional_call``
+    with tied weights and strict names, the leaves swapped into the skeleton
+    (:func:`shardfn._functional_swap.call_module`)."""
+    return swap_call(unit.module, params, args, kwargs)
 
 
 def plain(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:

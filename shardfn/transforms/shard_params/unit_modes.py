@@ -66,7 +66,8 @@ class UnitRecorder(_Pausable, Recorder):
 
     def check_closure(self, func, args, kwargs) -> None:
         """Accept every tensor: parameters and inputs reach a unit through
-        ``functional_call``, not as arguments, so remat's closure check does not apply."""
+        the module skeleton they are swapped into, not as arguments, so remat's closure
+        check does not apply."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.paused:
