@@ -8,7 +8,10 @@ each leaf goes into (tied aliases included) are worked out once
 (:func:`plan_slots`) and :func:`call_swapped` does the rest of what
 ``functional_call`` does: put the leaves in, call the module, put the
 skeleton's tensors back (also when the forward raises), and write a leaf the
-forward reassigned (``self.buf = ...``) back into the call's dict.
+forward reassigned (``self.buf = ...``) back into the call's dict. Callers that
+hold a skeleton and the module's own names (``shard_params``' units,
+``tensor_split``) use :func:`call_module`, which plans the slots once per module
+and set of names.
 
 Example:
     >>> net = nn.Linear(2, 2)
@@ -127,9 +130,7 @@ def call_module(module: nn.Module, call_params: Params, args: tuple, kwargs: dic
         ...             (torch.ones(1, 2),), {})
         tensor([[1., 1.]])
     """
-    per_module = _CALL_SLOTS.get(module)
-    if per_module is None:
-        per_module = _CALL_SLOTS[module] = {}
+    per_module = _CALL_SLOTS.setdefault(module, {})
     key = tuple(call_params)
     if key not in per_module:
         per_module[key] = module_slots(module, key)

@@ -177,10 +177,8 @@ class StepState:
 
     def __init__(self, plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs, targets,
                  messenger: Messenger, inferred: Mapping[tuple, DeclaredValue] | None = None,
-                 mutable: bool = False, receives: Sequence[tuple[tuple, int]] = ()):
+                 mutable: bool = False):
         self.plan = plan
-        #: this rank's receives in schedule order, posted by :meth:`post_receives`
-        self.receives = tuple(receives)
         #: with ``mutable``: this rank's buffers as the forwards so far left them
         self.buffers = None if not mutable else {
             n: leaves[n] for st in plan.stages.on_rank(plan.rank) for n in st.names
@@ -213,12 +211,6 @@ class StepState:
             if kind == "act":
                 self.seen[key] = declared_of_value(tensor)
             self.messenger.send(key, dst, tensor, OK if tensor is not None else NONE)
-
-    def post_receives(self) -> None:
-        """Post the step's receives ahead of their actions (see the module docstring); one
-        whose shapes are not known is not: its action receives it."""
-        for key, src in self.receives:
-            self.messenger.prepost(key, src)
 
     def take(self, kind: str, stage: int, microbatch: int) -> torch.Tensor | None:
         src = stage_rank(stage, self.plan.schedule.n_ranks)
@@ -404,8 +396,9 @@ def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
     action: Action | None = None
     try:
         leaves = prepare()
-        step = StepState(plan, leaves, inputs, targets, messenger, inferred, mutable, expected)
-        step.post_receives()
+        step = StepState(plan, leaves, inputs, targets, messenger, inferred, mutable)
+        for key, src in expected:  # all ahead of their actions (module docstring); one whose
+            messenger.prepost(key, src)  # shapes are not known is received by its action
         for action in plan.schedule.actions[plan.rank]:
             step.run(action)
         holder = stage_rank(plan.n_stages - 1, plan.schedule.n_ranks)
