@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from shardfn._torch_internals import is_differentiated
+
 __all__ = [
     "Leaf",
     "check_params",
@@ -30,6 +32,7 @@ __all__ = [
     "find_leaves",
     "floating",
     "meta_skeleton",
+    "refuse_differentiated_state",
     "reject_lazy",
     "suggest",
     "vmap_buffer_error",
@@ -188,4 +191,68 @@ def vmap_buffer_error(model_name: str, buffer_names: Sequence[str], error: Excep
         f"which vmap cannot do, as for torch modules. Batch the buffers too (vmap over "
         f"the params tree, in_dims=0, as for an ensemble), or use model.eval() or "
         f"track_running_stats=False. torch said: {error}"
+    )
+
+
+#: where the design is written (linked from every refusal)
+BUFFERS_DOC = "docs/functional.md#buffers-are-state"
+
+
+def refuse_differentiated_state(
+    params: Mapping[str, torch.Tensor],
+    buffer_names: Sequence[str],
+    frozen_names: Sequence[str],
+    where: str,
+) -> None:
+    """Raise if a buffer or a frozen parameter of ``params`` is being differentiated.
+
+    Buffers are model state and frozen parameters (``requires_grad=False`` in the
+    module) are not trained: neither may get a gradient, or an optimizer would move
+    it (weight decay included). Every model kind's ``apply`` calls this at its entry,
+    so sharded and unsharded code refuse alike. A leaf counts as differentiated when
+    it requires grad (autograd) or a ``torch.func`` grad level tracks it
+    (:func:`~shardfn._torch_internals.is_differentiated`). Names absent from
+    ``params`` are skipped (a pipeline stage holds a subset). Cost: a
+    ``requires_grad`` read per buffer and frozen parameter (under 1 us each).
+
+    Args:
+        params: ``name -> Tensor`` as the model's ``apply`` got it.
+        buffer_names / frozen_names: the model's buffers and frozen parameters.
+        where: the caller, for the message (``"FunctionalModel(Net).apply"``).
+
+    Raises:
+        ValueError: naming the first few offending leaves and their count, and
+            saying how to differentiate only the trainable parameters.
+
+    Example:
+        >>> refuse_differentiated_state({"running_mean": torch.zeros(2)}, ["running_mean"],
+        ...                             [], "apply")
+    """
+    buffers = [n for n in buffer_names if n in params and is_differentiated(params[n])]
+    frozen = [n for n in frozen_names if n in params and is_differentiated(params[n])]
+    if buffers or frozen:
+        raise ValueError(differentiated_state_message(buffers, frozen, where))
+
+
+def differentiated_state_message(buffers: Sequence[str], frozen: Sequence[str],
+                                 where: str) -> str:
+    """The message of :func:`refuse_differentiated_state`."""
+
+    def few(names: Sequence[str]) -> str:
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        return f"{list(names[:5])}{more} ({len(names)} in all)"
+
+    parts = []
+    if buffers:
+        parts.append(f"buffers {few(buffers)}")
+    if frozen:
+        parts.append(f"frozen parameters (requires_grad=False in the module) {few(frozen)}")
+    return (
+        f"{where}: {' and '.join(parts)} are being differentiated (torch.func.grad/vjp, or "
+        f"requires_grad=True under autograd). Buffers are state, not parameters, and frozen "
+        f"parameters are not trained: neither may get a gradient or an optimizer update. "
+        f"Differentiate only the trainable part: `trainable, rest = model.split_trainable("
+        f"params)`, then `torch.func.grad(lambda t: loss(model.apply(model.merge(t, rest), "
+        f"x)))(trainable)` (under autograd, set requires_grad on `trainable` only); buffers "
+        f"updated by the forward come back from `apply(..., mutable=True)`. See {BUFFERS_DOC}."
     )

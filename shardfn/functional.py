@@ -46,6 +46,7 @@ from torch import nn
 
 from shardfn._functional_init import InitFn, InitPlan, derive_seed, init_subset, plan_init
 from shardfn._functional_leaves import check_params, describe_unknown, vmap_buffer_error
+from shardfn._functional_leaves import refuse_differentiated_state as refuse_state
 from shardfn._functional_swap import Slot, call_swapped, plan_slots
 from shardfn._torch_internals import TransformType, in_transform
 
@@ -148,7 +149,8 @@ class FunctionalModel:
 
         Buffers are given to the forward as private copies, so in-place
         updates (BatchNorm running stats in training mode) never reach the
-        caller's tensors; ``mutable=True`` returns them.
+        caller's tensors; ``mutable=True`` returns them. Buffers are state: differentiate
+        ``split_trainable(params)[0]`` only (docs/functional.md, "Buffers are state").
 
         Args:
             params: ``name -> Tensor`` with exactly the names in ``names``
@@ -165,7 +167,9 @@ class FunctionalModel:
             auxiliary output (``has_aux=True``).
 
         Raises:
-            ValueError: missing/unexpected names or a leaf of the wrong shape.
+            ValueError: missing/unexpected names or a leaf of the wrong shape; a buffer
+                or frozen parameter being differentiated (``torch.func.grad`` over the
+                whole tree, or ``requires_grad=True`` under autograd), named.
             TypeError: ``params`` is not a mapping or holds a non-tensor, or
                 ``mutable`` is not a bool.
             RuntimeError: under ``torch.func.vmap``, the forward updates an
@@ -174,8 +178,9 @@ class FunctionalModel:
         Example:
             >>> model = functional(torch.nn.Linear(3, 2))
             >>> params = model.init(0)
-            >>> grads = torch.func.grad(lambda p, x: model.apply(p, x).sum())(params, torch.ones(3))
-            >>> grads["bias"]
+            >>> trainable, rest = model.split_trainable(params)
+            >>> loss = lambda t, x: model.apply(model.merge(t, rest), x).sum()
+            >>> torch.func.grad(loss)(trainable, torch.ones(3))["bias"]
             tensor([1., 1.])
             >>> bn = functional(torch.nn.BatchNorm1d(2))
             >>> _, new = bn.apply(bn.init(0), torch.tensor([[0., 1.], [2., 3.]]), mutable=True)
@@ -225,6 +230,7 @@ class FunctionalModel:
 
     def _call_params(self, params: Mapping[str, torch.Tensor]) -> Params:
         self.check(params)
+        refuse_state(params, self.buffer_names, self.frozen_names, "FunctionalModel.apply")
         call_params = dict(params)
         for name in self.buffer_names:
             call_params[name] = call_params[name].clone()

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import torch
 
 from shardfn import pytree
+from shardfn._functional_leaves import refuse_differentiated_state
 
 __all__ = ["Precision", "cast_floating", "with_precision"]
 
@@ -102,7 +103,7 @@ def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
             return x.to(dtype)
         return x
 
-    return pytree.tree_map(cast, tree)
+    return pytree.tree_map_deep(cast, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +115,10 @@ class _PrecisionModel:
         return self.inner.init(seed, *args, **kwargs)
 
     def apply(self, params, *args, **kwargs):
-        policy = self.policy
+        policy = self.policy  # checked before the cast, which may leave no_grad copies
+        refuse_differentiated_state(params, getattr(self.inner, "buffer_names", ()),
+                                    getattr(self.inner, "frozen_names", ()),
+                                    "with_precision(...).apply")
         params = cast_floating(params, policy.param_dtype)
         if policy.cast_inputs:
             args, kwargs = cast_floating((args, kwargs), policy.param_dtype)

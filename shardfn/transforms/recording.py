@@ -185,9 +185,12 @@ class Saved:
             self.versions = [t._version for t in self.leaves]
         return True
 
-    def load(self) -> Any:
-        """The value, back on the devices it was recorded on."""
-        leaves = [t if t.device == d else t.to(d, non_blocking=True)
+    def load(self, *, fresh: bool = False) -> Any:
+        """The value, back on the devices it was recorded on; ``fresh``: as new tensor
+        objects (aliases), for a replay under plain autograd, which records its history
+        on what an op returns (the recorded tensor may be a forward output the caller
+        holds, with its own history). Under torch.func the transform's wrappers take it."""
+        leaves = [(t.detach() if fresh else t) if t.device == d else t.to(d, non_blocking=True)
                   for t, d in zip(self.leaves, self.devices, strict=True)]
         return torch_tree_unflatten(leaves, self.spec)
 
@@ -268,8 +271,11 @@ class Recorder(TorchDispatchMode):
         Autocast keeps one cast per leaf that requires grad and hands it out
         without running an op, so the forward sees a tensor that requires grad
         and lives in no argument's storage. It is still a function of an
-        argument: the recomputation casts that argument again.
+        argument: the recomputation casts that argument again. A view of such a
+        cast (``F.linear``'s ``weight.t()``) counts too: it reads the same cast.
         """
+        if t._base is not None:
+            t = t._base
         fn = t.grad_fn
         if fn is None or type(fn).__name__ != "ToCopyBackward0":
             return False
@@ -332,12 +338,16 @@ class Replayer(TorchDispatchMode):
     Args:
         saved: what :meth:`Recorder.finish` returned.
         uncounted: the recorder's ``uncounted``.
+        fresh: return saved values as new tensor objects (:meth:`Saved.load`); needed
+            when the recomputation runs under plain autograd, not ``torch.func``.
     """
 
-    def __init__(self, saved: dict[tuple, Saved], *, uncounted: frozenset = frozenset()):
+    def __init__(self, saved: dict[tuple, Saved], *, uncounted: frozenset = frozenset(),
+                 fresh: bool = False):
         super().__init__()
         self.saved = saved
         self.uncounted = uncounted
+        self.fresh = fresh
         self.counts: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -356,7 +366,7 @@ class Replayer(TorchDispatchMode):
                 f"{op_signature}, the forward had {saved.signature}; the function must run the "
                 "same ops in both (no data-dependent Python control flow), or use "
                 "policy=nothing_saveable")
-        return saved.load()
+        return saved.load(fresh=self.fresh)
 
 
 # ----------------------------------------------------------------------------- RNG state

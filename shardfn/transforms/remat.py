@@ -12,11 +12,13 @@ The two dispatch modes are :mod:`shardfn.transforms.recording`'s (shared with
   The policy looks at every op; the outputs of the ops it saves are kept (moved
   to CPU first for offloaded ones). The tensor inputs are saved for backward and
   the RNG state (CPU, and CUDA for the inputs' devices) is remembered.
-* **backward** restores that RNG state and recomputes ``fn`` with
-  ``torch.func.vjp`` inside a *replay* dispatch mode: each saved op returns its
-  saved output instead of running, every other op runs again. Ops are matched
-  by (op, how many times it ran before) and checked by input shapes, so a
+* **backward** restores that RNG state and recomputes ``fn`` (plain autograd:
+  ``enable_grad`` + ``torch.autograd.grad``, as ``torch.utils.checkpoint``; under
+  torch.func: ``torch.func.vjp``) inside a *replay* dispatch mode: each saved op
+  returns its saved output instead of running, every other op runs again. Ops are
+  matched by (op, how many times it ran before) and checked by input shapes, so a
   recomputation that takes another path raises instead of replaying wrong values.
+  First-order gradients are autograd's bit for bit, under torch.func too.
 
 Policies use JAX's names (``checkpoint_policies``). A policy is a function
 ``policy(op, name) -> bool | Offload``: ``op`` is the aten op, ``name`` is ``None``
@@ -59,8 +61,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from shardfn import _functional_swap, pytree
 from shardfn import _torch_internals as ti
-from shardfn import pytree
 from shardfn.primitives import autocast_state
 from shardfn.transforms import recording
 from shardfn.transforms.recording import CASTS, Offload, Policy, Recorder, Replayer, Saved
@@ -196,7 +198,7 @@ def checkpoint_name(x: Any, name: str) -> Any:
     """
     if not isinstance(name, str):
         raise TypeError(f"checkpoint_name: name must be a string, got {name!r}")
-    recording.tag(x, name, leaves=pytree.tree_leaves)
+    recording.tag(x, name, leaves=pytree.tree_leaves_deep)
     return x
 
 
@@ -221,7 +223,7 @@ class _Call:
     """One call of a remat'ed function: how to rebuild its arguments, what forward saved."""
 
     def __init__(self, fn: Callable, policy: Policy, args: tuple, kwargs: dict):
-        leaves, self.treedef = pytree.tree_flatten((args, kwargs))
+        leaves, self.treedef = pytree.tree_flatten_deep((args, kwargs))
         self.positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self.tensors = [leaves[i] for i in self.positions]
         self.static = [None if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -240,11 +242,11 @@ class _Call:
         leaves = list(self.static)
         for position, t in zip(self.positions, tensors, strict=True):
             leaves[position] = t
-        args, kwargs = pytree.tree_unflatten(self.treedef, leaves)
+        args, kwargs = pytree.tree_unflatten_deep(self.treedef, leaves)
         return self.fn(*args, **kwargs)
 
     def flatten_output(self, out) -> tuple[torch.Tensor, ...]:
-        leaves, self.out_treedef = pytree.tree_flatten(out)
+        leaves, self.out_treedef = pytree.tree_flatten_deep(out)
         self.out_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self.out_static = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         tensors = tuple(leaves[i] for i in self.out_positions)
@@ -252,14 +254,14 @@ class _Call:
         return tensors
 
     def output_tensors(self, out) -> list[torch.Tensor]:
-        leaves = pytree.tree_leaves(out)
+        leaves = pytree.tree_leaves_deep(out)
         return [leaves[i] for i in self.out_positions]
 
     def unflatten_output(self, tensors) -> Any:
         leaves = list(self.out_static)
         for position, t in zip(self.out_positions, tensors, strict=True):
             leaves[position] = t
-        return pytree.tree_unflatten(self.out_treedef, leaves)
+        return pytree.tree_unflatten_deep(self.out_treedef, leaves)
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -278,6 +280,34 @@ def _check_writes_seen(tensors, versions, mutated) -> None:
                 "update a copy instead (x = x + ...)")
 
 
+def _recompute_vjp(call: _Call, recompute: Callable, primals: list, cotangents: tuple,
+                   keep_graph: bool) -> list:
+    """The gradients of ``recompute``'s outputs, run from the forward's RNG and autocast
+    state, with respect to ``primals`` for ``cotangents`` (None where unused).
+
+    Under plain autograd with nothing to differentiate this backward again it is
+    ``torch.utils.checkpoint``'s recipe: recompute on detached leaves under
+    ``enable_grad`` and ``torch.autograd.grad`` them, so autograd's own first-order
+    formulas run (bit for bit its gradients; also an ``autograd.Function`` without
+    ``setup_context``). Under a torch.func transform, or when a second derivative may be
+    taken, ``torch.func.vjp``; with ``create_graph=False`` unless a higher order is
+    possible, so its formulas are still the first-order ones (``silu``'s backward,
+    e.g., rounds otherwise).
+    """
+    if keep_graph or ti.get_interpreter_stack():
+        with recording.replay_rng(call.rng), call.autocast.replay():
+            _, vjp_fn = torch.func.vjp(recompute, *primals)
+        return list(vjp_fn(cotangents, create_graph=keep_graph))
+    leaves = [t.detach().requires_grad_() for t in primals]
+    with recording.replay_rng(call.rng), call.autocast.replay(), torch.enable_grad():
+        outs = recompute(*leaves, fresh=True)
+    pairs = [(o, g) for o, g in zip(outs, cotangents, strict=True) if o.requires_grad]
+    if not pairs:
+        return [None] * len(leaves)
+    return list(torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs],
+                                    allow_unused=True))
+
+
 class _RematFunction(torch.autograd.Function):
     generate_vmap_rule = True
 
@@ -291,7 +321,11 @@ class _RematFunction(torch.autograd.Function):
         call.saved = recorder.finish()
         call.mutated = recorder.mutated
         _check_writes_seen(tensors, versions, call.mutated)
-        return call.flatten_output(out)
+        # an argument returned as it is leaves as a view of it (autograd refuses to save
+        # for backward a tensor that is also an output, as torch.utils.checkpoint avoids)
+        arguments = {id(t) for t in tensors}
+        return tuple(o.view_as(o) if id(o) in arguments else o
+                     for o in call.flatten_output(out))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -320,23 +354,22 @@ class _RematFunction(torch.autograd.Function):
                if ctx.needs_input_grad[i + 1] and t is not None and _differentiable(t)]
         outs = [i for i, g in enumerate(grads) if g is not None and call.out_differentiable[i]]
 
-        def recompute(*inputs):
+        def recompute(*inputs, fresh: bool = False):
             full = list(tensors)
             for i, t in zip(wrt, inputs, strict=True):
                 full[i] = t
             for i, before in call.mutated.items():  # fn updates a fresh copy, not the caller's
                 now = full[i]  # (a differentiated one: the value before, the gradient to now)
                 full[i] = before.clone() if now is None else before + (now - now.detach())
-            with Replayer(call.saved, uncounted=call.uncounted):
+            with Replayer(call.saved, uncounted=call.uncounted, fresh=fresh):
                 out = call.output_tensors(call.run(full))
             return tuple(out[i] for i in outs)
 
         input_grads: list = [None] * len(tensors)
         if wrt and outs:
-            with recording.replay_rng(call.rng), call.autocast.replay():
-                _, vjp_fn = torch.func.vjp(recompute, *[tensors[i] for i in wrt])
             cotangents = tuple(grads[i] if keep_graph else grads[i].detach() for i in outs)
-            grads_in = vjp_fn(cotangents)
+            grads_in = _recompute_vjp(call, recompute, [tensors[i] for i in wrt], cotangents,
+                                      keep_graph)
             for i, g in zip(wrt, grads_in, strict=True):
                 input_grads[i] = g
         call.saved = {}  # free early; a second backward (retain_graph) recomputes everything
@@ -389,3 +422,8 @@ def remat(fn: Callable, policy: Policy = nothing_saveable) -> Callable:
         return call.unflatten_output(_RematFunction.apply(call, *call.tensors))
 
     return rematerialised
+
+
+# layers that checkpoint themselves (Hugging Face's gradient_checkpointing_enable()) run as
+# remat inside sf.functional / shard_params / tensor_split calls
+_functional_swap.checkpoint_layers_with(remat)

@@ -486,19 +486,24 @@ def test_gradients_equal_the_mean_of_per_rank_gradients(worlds, name, make, unit
             assert_close(out, ref_outs[rank])
 
 
-def test_frozen_parameters_and_buffers_get_no_gradient():
+def test_frozen_parameters_and_buffers_are_never_differentiated():
+    """Differentiating them is refused, as by ``sf.functional`` (docs/functional.md, "Buffers
+    are state"); before, they got zeros (torch.func) or None (autograd), where the unsharded
+    model gave them gradients. The trainable part gets its gradients."""
     case = dict(vocab=7, d=3, hiddens=[2])
     fmodel = sf.functional(make_lm(case))
     model = shard_params(fmodel, sf.Mesh({"dp": 1}), "dp", units=Block)
     shards = model.init(0)
     tokens = torch.tensor([[1, 2, 3]])
-    grads = torch.func.grad(lambda p: model.apply(p, tokens).sum())(shards)
-    for name in ("proj.weight", "proj.bias", "pos"):
-        assert not grads[name].any(), name
+    with pytest.raises(ValueError, match=r"buffers \['pos'\].*frozen parameters .*proj.weight"):
+        torch.func.grad(lambda p: model.apply(p, tokens).sum())(shards)
     leaves = {k: v.clone().requires_grad_() for k, v in shards.items()}
-    model.apply(leaves, tokens).sum().backward()
-    assert leaves["proj.weight"].grad is None and leaves["pos"].grad is None
-    assert leaves["emb.weight"].grad is not None and leaves["temperature"].grad is not None
+    with pytest.raises(ValueError, match="proj.weight"):
+        model.apply(leaves, tokens)
+    trainable, rest = model.split_trainable(shards)
+    assert {"proj.weight", "proj.bias", "pos"} <= set(rest)
+    grads = torch.func.grad(lambda t: model.apply(model.merge(t, rest), tokens).sum())(trainable)
+    assert grads.keys() == trainable.keys() and grads["emb.weight"].any()
 
 
 def test_inference_and_inputs_gradient_in_one_process():

@@ -147,9 +147,9 @@ def _all_trainable_on_rank(n: int):
 
     fmodel = sf.functional(_net())
     model = shard_params(fmodel, sf.Mesh({"dp": n}), "dp", units=Block)
-    shards = model.init(0)
+    trainable, rest = model.split_trainable(model.init(0))  # frozen ones are never differentiated
     sf.reset_comm_stats()
-    torch.func.grad(lambda p: model.apply(p, _x(n)).square().mean())(shards)
+    torch.func.grad(lambda t: model.apply(model.merge(t, rest), _x(n)).square().mean())(trainable)
     return sf.comm_stats().op_bytes("psum_scatter")
 
 
@@ -236,20 +236,21 @@ def _unequal_on_rank(sizes: list[int], grad_reduce: str):
     fmodel = sf.functional(_net())
     mesh = sf.Mesh({"dp": n})
     model = shard_params(fmodel, mesh, "dp", units=Block, grad_reduce=grad_reduce)
-    shards = model.init(0)
+    trainable, rest = model.split_trainable(model.init(0))
     x = _x_unequal(sizes)[sum(sizes[:rank]):sum(sizes[:rank + 1])]
     total = sum(sizes)  # the global count, known to every rank (e.g. from the loader)
+    out = lambda t: model.apply(model.merge(t, rest), x).square().sum(-1)  # noqa: E731
     if grad_reduce == "sum":  # exact weighting: per-example sum over the global count
-        loss_fn = lambda p: model.apply(p, x).square().sum(-1).sum() / total  # noqa: E731
+        loss_fn = lambda t: out(t).sum() / total  # noqa: E731
     else:  # the usual per-rank mean
-        loss_fn = lambda p: model.apply(p, x).square().sum(-1).mean()  # noqa: E731
+        loss_fn = lambda t: out(t).mean()  # noqa: E731
     previous = sf.check_consistency()
     sf.check_consistency(False)  # check mode (on in the test world) refuses unequal shapes
     try:
-        grads = torch.func.grad(loss_fn)(shards)
+        grads = torch.func.grad(loss_fn)(trainable)
     finally:
         sf.check_consistency(previous)
-    return sf.gather(grads, model.specs, mesh)
+    return sf.gather({**rest, **grads}, model.specs, mesh)
 
 
 def _x_unequal(sizes: list[int]) -> torch.Tensor:
@@ -259,9 +260,9 @@ def _x_unequal(sizes: list[int]) -> torch.Tensor:
 def test_unequal_batches_weighted_exactly_with_sum(worlds):
     sizes = [1, 4]
     fmodel = sf.functional(_net())
-    params = fmodel.init(0)
-    full_batch = torch.func.grad(
-        lambda p: fmodel.apply(p, _x_unequal(sizes)).square().sum(-1).mean())(params)
+    train, rest = fmodel.split_trainable(fmodel.init(0))
+    full_batch = torch.func.grad(lambda t: fmodel.apply(
+        fmodel.merge(t, rest), _x_unequal(sizes)).square().sum(-1).mean())(train)
     trainable = fmodel.trainable_names
     for grads in worlds(2).run(_unequal_on_rank, sizes, "sum"):
         for name in trainable:

@@ -107,15 +107,17 @@ def _grads_on_rank(case):
         model = shard_params(fmodel, mesh, case["axis"], units=UNITS[case["units"]],
                              replicate_axis=case["replicate"], precision=policy)
         shards = model.init(case["seed"])
+        train, rest = fmodel.split_trainable(shards)  # buffers and frozen leaves: state
 
-        def loss_fn(p, model=model):
-            return F.cross_entropy(model.apply(p, tokens).flatten(0, 1), targets.flatten())
+        def loss_fn(t, model=model, rest=rest):
+            out = model.apply(fmodel.merge(t, rest), tokens)
+            return F.cross_entropy(out.flatten(0, 1), targets.flatten())
 
-        torch.func.grad(loss_fn)(shards)  # warm-up: prefetch guesses are right from now on
+        torch.func.grad(loss_fn)(train)  # warm-up: prefetch guesses are right from now on
         sf.reset_comm_stats()
-        grads = torch.func.grad(loss_fn)(shards)
+        grads = torch.func.grad(loss_fn)(train)
         stats = sf.comm_stats()
-        out[label] = (sf.gather(grads, model.specs, mesh), stats)
+        out[label] = (sf.gather(grads, {k: model.specs[k] for k in grads}, mesh), stats)
     return out
 
 
@@ -124,12 +126,12 @@ def _reference_grads(case, policy):
     the mean of their absolute values (what bounds the rounding of a low-precision sum)."""
     fmodel = sf.functional(make_lm(case))
     model = fmodel if policy is None else sf.with_precision(fmodel, policy)
-    params = fmodel.init(case["seed"])
+    train, rest = fmodel.split_trainable(fmodel.init(case["seed"]))
     tokens, targets = make_batch(case, 0)
     per_rank = []
     for x, y in zip(tokens.chunk(case["n"]), targets.chunk(case["n"]), strict=True):
-        per_rank.append(torch.func.grad(lambda p, x=x, y=y: F.cross_entropy(
-            model.apply(p, x).flatten(0, 1), y.flatten()))(params))
+        per_rank.append(torch.func.grad(lambda t, x=x, y=y: F.cross_entropy(
+            model.apply(fmodel.merge(t, rest), x).flatten(0, 1), y.flatten()))(train))
     names, n = fmodel.trainable_names, case["n"]
     return ({k: sum(g[k] for g in per_rank) / n for k in names},
             {k: sum(g[k].abs() for g in per_rank) / n for k in names})

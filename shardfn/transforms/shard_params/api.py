@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from shardfn import pytree
+from shardfn._functional_leaves import refuse_differentiated_state
 from shardfn.functional import FunctionalModel
 from shardfn.mesh import AxisName, Mesh
 from shardfn.primitives import consistency
@@ -176,11 +177,13 @@ class ShardedModel:
             >>> shards = {**shards, **buffers}
         """
         self.check(shards)
+        refuse_differentiated_state(shards, self.functional.buffer_names,
+                                    self.functional.frozen_names, "shard_params.apply")
         consistency.check_call("shard_params.apply", self._plan.all_ax, (args, kwargs))
         plan = self._plan_for(tuple(shards[name].dtype for name in self.names))
         place, precision = plan.place, self.precision
         if place.offload:  # inputs go where the units compute (differentiably)
-            args, kwargs = pytree.tree_map(
+            args, kwargs = pytree.tree_map_deep(
                 lambda x: x.to(place.compute) if isinstance(x, torch.Tensor) else x,
                 (args, kwargs))
         if precision is not None and precision.cast_inputs:

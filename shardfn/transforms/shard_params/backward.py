@@ -76,7 +76,9 @@ class Backward:
             return float_outputs(out, outputs_float)
 
         _, vjp_fn = torch.func.vjp(recompute, root_train, unit_train, float_args)
-        g_root, g_units, g_args = vjp_fn(cotangents)
+        # create_graph=False: autograd's first-order formulas, as the kept vjp (remat=None)
+        # and plain loss.backward() use (torch.func's create_graph ones round differently)
+        g_root, g_units, g_args = vjp_fn(cotangents, create_graph=False)
         del vjp_fn, full, root_train
         return self.finish_backward(g_root, g_units, g_args, len(arg_tensors))
 
@@ -169,5 +171,5 @@ class Backward:
 
         _, vjp_fn = torch.func.vjp(recompute, train, float_args)
         record.replay = record.buffers = None  # the recompute has what it needs
-        g_train, g_args = vjp_fn(cotangents)
+        g_train, g_args = vjp_fn(cotangents, create_graph=False)  # as backward_root's
         return dict(g_train), g_args

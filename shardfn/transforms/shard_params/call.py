@@ -34,7 +34,9 @@ from shardfn.transforms.shard_params.prefetch import Phase, Prefetcher, Prefetch
 from shardfn.transforms.shard_params.tree import (
     CallRecord,
     TreeSpec,
+    arguments_signature,
     call_module,
+    check_arguments_kept,
     detached,
     is_float,
     plain,
@@ -186,6 +188,7 @@ class ApplyCall(Backward):
         self.root_plain = {**full, **{n: self.local[n] for n in root.replicated}}
         self.rng_root = rng_state()
         graph = self.record and plan.save
+        before = arguments_signature((args, kwargs)) if self.record else ()
         try:
             if graph:
                 out = self.forward_root_graph(args, kwargs)
@@ -198,6 +201,8 @@ class ApplyCall(Backward):
                 del params
         finally:
             self.prefetcher.drop()
+        if self.record:
+            check_arguments_kept("the model's forward (the root)", before, (args, kwargs))
         if graph and not self.keep:  # the root's vjp holds its parameters: free the storage
             pending.release()
             self.root_gather = pending
@@ -286,6 +291,7 @@ class ApplyCall(Backward):
         buffers_before = ({n: self.buffers[n].clone() if n in self.buffers else self.local[n]
                            for n in unit.buffers} if self.record and not self.plan.save
                           else None)
+        before = arguments_signature((args, kwargs)) if self.record else ()
         full, gather = self.gathered(unit, Phase.FORWARD, position)
         vjp_fn, recorder = None, None
         if self.record and self.plan.save:
@@ -306,6 +312,7 @@ class ApplyCall(Backward):
         if self.keep:
             self.kept_uses[unit.index] = self.kept_uses.get(unit.index, 0) + 1
         if self.record:
+            check_arguments_kept(f"unit {unit.label}", before, (args, kwargs))
             spec, tensors = TreeSpec.of(out)
             self.records.append(CallRecord(
                 tensors, [t._version for t in tensors], spec, rng_before, rng_state(),

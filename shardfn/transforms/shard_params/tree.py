@@ -22,14 +22,20 @@ from shardfn.transforms.recording import RngState
 from shardfn.transforms.shard_params.exchange import UnitGather, no_functorch
 from shardfn.transforms.shard_params.plan import Unit
 
-__all__ = ["CallRecord", "TreeSpec", "call_module", "detached", "float_outputs", "is_float",
-           "plain", "recorded_vjp"]
+__all__ = ["CallRecord", "TreeSpec", "arguments_signature", "call_module", "check_arguments_kept",
+           "detached", "float_outputs", "is_float", "plain", "recorded_vjp"]
 
 Params = dict[str, torch.Tensor]
 
 
 class TreeSpec(NamedTuple):
-    """A pytree with its tensor leaves taken out (they travel through autograd.Functions)."""
+    """A pytree with its tensor leaves taken out (they travel through autograd.Functions).
+
+    Taken apart with :func:`shardfn.pytree.tree_flatten_deep`: dataclasses (HF's
+    ``ModelOutput``), Mapping/Sequence subclasses and attribute objects are entered too, so
+    no tensor stays inside a constant (it would get no gradient); one that cannot be
+    rebuilt raises ``TypeError`` naming its type.
+    """
 
     treedef: Any
     is_tensor: tuple[bool, ...]
@@ -38,7 +44,7 @@ class TreeSpec(NamedTuple):
     @staticmethod
     def of(tree: Any) -> tuple[TreeSpec, list[torch.Tensor]]:
         """The spec of ``tree`` and its tensor leaves, in order."""
-        leaves, treedef = pytree.tree_flatten(tree)
+        leaves, treedef = pytree.tree_flatten_deep(tree)
         is_tensor = tuple(isinstance(x, torch.Tensor) for x in leaves)
         constants = tuple(x for x, t in zip(leaves, is_tensor, strict=True) if not t)
         return TreeSpec(treedef, is_tensor, constants), [x for x in leaves if
@@ -48,7 +54,7 @@ class TreeSpec(NamedTuple):
         """The tree again, with ``tensors`` as its tensor leaves."""
         tensors, constants = iter(tensors), iter(self.constants)
         leaves = [next(tensors) if t else next(constants) for t in self.is_tensor]
-        return pytree.tree_unflatten(self.treedef, leaves)
+        return pytree.tree_unflatten_deep(self.treedef, leaves)
 
 
 @dataclasses.dataclass
@@ -73,6 +79,38 @@ def call_module(unit: Unit, params: Params, args: tuple, kwargs: dict) -> Any:
     return swap_call(unit.module, params, args, kwargs)
 
 
+def arguments_signature(tree: Any) -> tuple:
+    """The tensors of a call's arguments, by identity and shape (see
+    :func:`check_arguments_kept`)."""
+    return tuple((id(t), tuple(t.shape)) for t in pytree.tree_leaves_deep(tree)
+                 if isinstance(t, torch.Tensor))
+
+
+def check_arguments_kept(label: str, before: tuple, tree: Any) -> None:
+    """Refuse a call that changed the containers of its arguments in place (a tensor put
+    into, or taken out of, an argument object: HF's ``DynamicCache``).
+
+    A unit's backward recomputes it from its arguments as they were, and a recompute of
+    the root replays the unit calls without their side effects, so such a change would
+    be made twice, or not at all, and the output or gradients would differ.
+
+    Raises:
+        ValueError: naming the call and what changed.
+    """
+    after = arguments_signature(tree)
+    if after == before:
+        return
+    kinds = sorted({type(x).__qualname__ for x in pytree.tree_leaves(tree)
+                    if not isinstance(x, torch.Tensor | int | float | bool | str | type(None))})
+    raise ValueError(
+        f"shard_params: {label} changed its arguments in place ({len(before)} tensors in them "
+        f"before the call, {len(after)} after; argument types {kinds[:6]}); its backward "
+        f"recomputes it from the arguments as they were, so an in-place update would be lost "
+        f"or made twice. Return new values instead; for Hugging Face models pass "
+        f"use_cache=False (as HF does under gradient checkpointing), or make this module part "
+        f"of a larger unit (units=[...]) that creates and consumes the cache itself")
+
+
 def plain(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
     """Strip functorch wrappers (saved tensors of a finished vjp level would trip its asserts)."""
     return [None if t is None else unwrap_functorch(t).detach() for t in tensors]
@@ -85,13 +123,13 @@ def is_float(x: torch.Tensor) -> bool:
 
 def float_outputs(out: Any, outputs_float: Sequence[bool]) -> tuple[torch.Tensor, ...]:
     """The tensors of ``out`` whose flag in ``outputs_float`` is set."""
-    tensors = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+    tensors = [x for x in pytree.tree_leaves_deep(out) if isinstance(x, torch.Tensor)]
     return tuple(x for x, f in zip(tensors, outputs_float, strict=True) if f)
 
 
 def detached(tree: Any) -> Any:
     """``tree`` with every tensor detached."""
-    return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)
+    return pytree.tree_map_deep(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)
 
 
 def recorded_vjp(out: Any, groups: tuple[Mapping, ...]) -> Callable:
@@ -103,7 +141,7 @@ def recorded_vjp(out: Any, groups: tuple[Mapping, ...]) -> Callable:
     with functorch disabled, so it may be called inside a ``torch.func`` transform's
     backward; it frees the graph.
     """
-    outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and is_float(o)]
+    outs = [o for o in pytree.tree_leaves_deep(out) if isinstance(o, torch.Tensor) and is_float(o)]
     inputs = [t for group in groups for t in group.values()]
 
     def vjp_fn(cotangents: Sequence[torch.Tensor]) -> tuple[dict, ...]:
