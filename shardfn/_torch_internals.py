@@ -34,6 +34,7 @@ import torch
 __all__ = [
     "BatchNormBase",
     "TESTED_TORCH",
+    "assert_async",
     "TorchDispatchMode",
     "DisableFuncTorch",
     "TransformType",
@@ -43,6 +44,7 @@ __all__ = [
     "get_unwrapped",
     "group_sequence_number",
     "in_transform",
+    "is_differentiated",
     "is_functorch_wrapped",
     "process_groups",
     "resize_storage_bytes_",
@@ -151,6 +153,28 @@ def unwrap_functorch(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+_is_gradtracking = _private("torch._C._functorch", "is_gradtrackingtensor")
+
+
+def is_differentiated(x: torch.Tensor) -> bool:
+    """Whether ``x`` is being differentiated: it requires grad under autograd, or some
+    ``torch.func`` grad level (``grad``, ``vjp``, ``jacrev``) tracks it, at any depth
+    of nesting and under any vmap level. A tensor a grad level merely wraps (an
+    argument outside ``argnums``) is not; forward-mode (``jvp``) tangents are not.
+
+    Example:
+        >>> is_differentiated(torch.ones(2)), is_differentiated(torch.ones(2, requires_grad=True))
+        (False, True)
+    """
+    if x.requires_grad:
+        return True
+    while is_functorch_wrapped(x):
+        if _is_gradtracking(x) and x.requires_grad:
+            return True
+        x = get_unwrapped(x)
+    return x.requires_grad
+
+
 def in_transform(kind: Any) -> bool:
     """Whether a functorch transform of ``kind`` (a :data:`TransformType`) is active."""
     return any(i.key() == kind for i in get_interpreter_stack() or ())
@@ -171,3 +195,8 @@ resize_storage_bytes_ = _ops("inductor", "resize_storage_bytes_").resize_storage
 #: the common base of ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` (torch.nn's private
 #: ``_BatchNorm``): ``sf.sync_batch_norm``'s layer subclasses it, as those layers do.
 BatchNormBase = _private("torch.nn.modules.batchnorm", "_BatchNorm")
+
+# ---- asserts -----------------------------------------------------------------------------
+#: ``assert_async(cond, message)``: fail a one-element bool tensor ``cond`` on its device
+#: without a host sync (a CUDA device-side assert; on the CPU it raises at once).
+assert_async = _private("torch", "_assert_async")

@@ -43,7 +43,8 @@ from shardfn import pytree
 from shardfn.mesh import Mesh, get_mesh
 from shardfn.primitives import _comm, consistency
 
-__all__ = ["Layout", "P", "gather", "layout_of", "local_shape", "shard", "spec_axes"]
+__all__ = ["FusedLayout", "Layout", "LeafLayout", "P", "gather", "layout_of", "local_shape",
+           "shard", "spec_axes"]
 
 Part = str | tuple[str, ...] | None
 
@@ -118,8 +119,75 @@ class Layout:
     shape: tuple[int, ...]
 
 
+class LeafLayout:
+    """Base of layouts no single ``P`` expresses (a fused split, a split of a split).
+
+    A subclass (a frozen dataclass with a ``shape``: the global shape) says how to
+    cut this rank's shard out of the full tensor and how to rebuild the full tensor
+    from every rank's shards; :func:`shard` and :func:`gather` call these, so
+    ``sf.gather(tree, model.specs, mesh)`` works for every model kind.
+    """
+
+    shape: tuple[int, ...]
+
+    def local_shape(self, mesh: Mesh) -> tuple[int, ...]:
+        """The shape of one rank's shard."""
+        raise NotImplementedError
+
+    def shard_leaf(self, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        """This rank's shard of the full tensor ``x`` (no communication)."""
+        raise NotImplementedError
+
+    def gather_leaf(self, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        """The full tensor from every rank's shard ``x`` (collective, differentiable)."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedLayout(LeafLayout):
+    """A fused colwise leaf (``[q|k|v]``): ``parts`` parts, each split on dim 0 over ``axis``.
+
+    Rank ``r`` holds block ``r`` of every part side by side (``q[r] | k[r] | v[r]``),
+    a strided split no ``P`` describes. Dim 0 must divide by ``parts * axis size``.
+    """
+
+    axis: str
+    parts: int
+    shape: tuple[int, ...]
+
+    @property
+    def sharded_axes(self) -> tuple[str, ...]:
+        """The mesh axes the leaf is split over (as ``FsdpTpLayout.sharded_axes``)."""
+        return (self.axis,)
+
+    def _blocks(self, mesh: Mesh) -> tuple[int, int]:
+        """``(axis size, rows of one part's block)``, after checking the split is even."""
+        n = mesh.size(self.axis)
+        if not self.shape or self.shape[0] % (self.parts * n):
+            raise ValueError(f"{self}: dim 0 must be divisible by parts x size of axis "
+                             f"{self.axis!r} = {self.parts} x {n}")
+        return n, self.shape[0] // (self.parts * n)
+
+    def local_shape(self, mesh: Mesh) -> tuple[int, ...]:
+        n, rows = self._blocks(mesh)
+        return (self.parts * rows, *self.shape[1:])
+
+    def shard_leaf(self, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        n, rows = self._blocks(mesh)
+        split = x.reshape(self.parts, n, rows, *x.shape[1:])
+        return split[:, mesh.index(self.axis)].reshape(self.parts * rows, *x.shape[1:])
+
+    def gather_leaf(self, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        from shardfn.primitives.collectives import all_gather
+
+        n, rows = self._blocks(mesh)
+        gathered = all_gather(x, self.axis, dim=0, mesh=mesh)  # rank-major: (n, parts, rows)
+        split = gathered.reshape(n, self.parts, rows, *x.shape[1:]).transpose(0, 1)
+        return split.reshape(self.shape)
+
+
 def _is_spec_leaf(x: Any) -> bool:
-    return isinstance(x, (P, Layout))
+    return isinstance(x, (P, Layout, LeafLayout))
 
 
 def spec_axes(spec: P | Layout | None) -> tuple[str, ...]:
@@ -131,6 +199,8 @@ def spec_axes(spec: P | Layout | None) -> tuple[str, ...]:
     """
     if spec is None:
         return ()
+    if isinstance(spec, LeafLayout):
+        return tuple(spec.sharded_axes)
     if isinstance(spec, Layout):
         spec = spec.spec
     names: list[str] = []
@@ -164,7 +234,7 @@ def _flatten_specs(specs, tree) -> tuple[list[str], list, list, Any]:
 def _check_leaf(op: str, name: str, x: Any, spec_leaf) -> bool:
     """Whether ``x`` is a tensor to work on (False: a None to pass through), or a clear error."""
     if x is None:
-        if isinstance(spec_leaf, Layout):
+        if isinstance(spec_leaf, (Layout, LeafLayout)):
             raise TypeError(f"{op}: leaf {name!r} is None but its spec {spec_leaf} describes a "
                             f"tensor of shape {spec_leaf.shape}")
         return False
@@ -180,14 +250,23 @@ def _as_spec(spec) -> P:
     return spec.spec if isinstance(spec, Layout) else spec
 
 
-def local_shape(shape: tuple[int, ...], spec: P | Layout, mesh: Mesh) -> tuple[int, ...]:
+def local_shape(shape: tuple[int, ...], spec: P | Layout | LeafLayout,
+                mesh: Mesh) -> tuple[int, ...]:
     """Shape of one rank's (padded) local shard of a tensor of global ``shape``.
+
+    Raises:
+        ValueError: a spec that splits a dim ``shape`` does not have.
 
     Example:
         >>> local_shape((5, 3), P("dp"), Mesh({"dp": 1}))
         (5, 3)
     """
+    if isinstance(spec, LeafLayout):
+        return spec.local_shape(mesh)
     spec = _as_spec(spec)
+    if len(_trim(tuple(spec))) > len(shape):
+        raise ValueError(f"local_shape: spec {spec} splits dims beyond the {len(shape)} of shape "
+                         f"{tuple(shape)}; give at most one entry per dim")
     out = list(shape)
     for dim, part in enumerate(spec):
         if part is not None:
@@ -219,12 +298,13 @@ def shard(tree, specs, mesh: Mesh | None = None, *, replicated_over=None):
 
     Args:
         tree: a pytree of full tensors (``None`` leaves pass through).
-        specs: a tree of ``P``/``Layout`` (or None = replicated), a prefix of ``tree``.
+        specs: a tree of ``P``/``Layout``/``LeafLayout`` (``FusedLayout``, ``FsdpTpLayout``;
+            or None = replicated), a prefix of ``tree``.
         mesh: the mesh (default: the current mesh).
         replicated_over: the mesh axes (a name or tuple) over which ``tree`` is the
             same (what check mode verifies); default every axis. A shard of a shard
             (``shard_params`` over ``tensor_split``'s TP shards) is replicated over
-            the axis it is sharded on only.
+            the axis it is sharded on only; ``()``: no check.
 
     Returns:
         A tree of local shards with ``tree``'s structure.
@@ -243,30 +323,43 @@ def shard(tree, specs, mesh: Mesh | None = None, *, replicated_over=None):
     for name, x, spec_leaf in zip(names, leaves, spec_leaves, strict=True):
         if not _check_leaf("shard", name, x, spec_leaf):
             continue
-        _check(name, x, _as_spec(spec_leaf), mesh)
-        if isinstance(spec_leaf, Layout) and tuple(x.shape) != tuple(spec_leaf.shape):
+        if isinstance(spec_leaf, LeafLayout):
+            _check_leaf_layout(name, spec_leaf, mesh)
+        else:
+            _check(name, x, _as_spec(spec_leaf), mesh)
+        if isinstance(spec_leaf, (Layout, LeafLayout)) and \
+                tuple(x.shape) != tuple(spec_leaf.shape):
             raise ValueError(f"shard: leaf {name!r} has shape {tuple(x.shape)} but its layout "
                              f"{spec_leaf} is for global shape {tuple(spec_leaf.shape)}")
-    everything = _comm.resolve(mesh.axis_names if replicated_over is None else replicated_over,
-                               mesh)
-    if everything.size > 1:
+    axes = mesh.axis_names if replicated_over is None else replicated_over
+    if axes != () and (everything := _comm.resolve(axes, mesh)).size > 1:
         consistency.check_replicated("sf.shard input", everything, tree)
-    out = [x if x is None else _shard_leaf(x, _as_spec(s), mesh)
-           for x, s in zip(leaves, spec_leaves, strict=True)]
+    out = [x if x is None else s.shard_leaf(x, mesh) if isinstance(s, LeafLayout)
+           else _shard_leaf(x, _as_spec(s), mesh) for x, s in zip(leaves, spec_leaves, strict=True)]
     return pytree.tree_unflatten(treedef, out)
 
 
+def _check_leaf_layout(name: str, layout: LeafLayout, mesh: Mesh) -> None:
+    for axis in layout.sharded_axes:
+        if axis not in mesh.axis_names:
+            raise ValueError(f"leaf {name!r}: layout {layout} names axis {axis!r}, which the "
+                             f"mesh does not have (axes: {mesh.axis_names})")
+
+
 def _check_gather(name: str, x: torch.Tensor, spec_leaf, mesh: Mesh, padded: bool) -> None:
-    spec = _as_spec(spec_leaf)
-    _check(name, x, spec, mesh)
-    if isinstance(spec_leaf, Layout):
-        expected = local_shape(spec_leaf.shape, spec, mesh)
+    if isinstance(spec_leaf, LeafLayout):
+        _check_leaf_layout(name, spec_leaf, mesh)
+    else:
+        _check(name, x, _as_spec(spec_leaf), mesh)
+    if isinstance(spec_leaf, (Layout, LeafLayout)):
+        expected = local_shape(spec_leaf.shape, spec_leaf, mesh)
         if tuple(x.shape) != expected:
             raise ValueError(f"leaf {name!r}: local shard has shape {tuple(x.shape)} but "
-                             f"layout {spec} of global shape {spec_leaf.shape} on mesh "
+                             f"layout {spec_leaf} of global shape {spec_leaf.shape} on mesh "
                              f"{dict(zip(mesh.axis_names, mesh.shape, strict=True))} "
                              f"gives {expected}")
         return
+    spec = _as_spec(spec_leaf)
     for dim, part in enumerate(spec):
         n, local = (1, 0) if part is None else (mesh.size(part), x.shape[dim])
         if n > 1 and local > 0 and not padded:
@@ -286,8 +379,9 @@ def gather(tree, specs, mesh: Mesh | None = None, *, padded: bool = False):
     Args:
         tree: a pytree of local shards, as :func:`shard` returns (``None`` leaves
             pass through).
-        specs: a tree of ``Layout`` (exact: padding is removed) or, for dims not
-            sharded over more than one rank, ``P``; a prefix of ``tree``.
+        specs: a tree of ``Layout`` (exact: padding is removed), ``LeafLayout``
+            (``FusedLayout``, ``FsdpTpLayout``: as ``model.specs`` hold) or, for dims
+            not sharded over more than one rank, ``P``; a prefix of ``tree``.
         mesh: the mesh (default: the current mesh).
         padded: allow a bare ``P`` on a sharded dim, giving the padded size
             ``axis size * local size`` (exact only for even splits).
@@ -313,6 +407,9 @@ def gather(tree, specs, mesh: Mesh | None = None, *, padded: bool = False):
             _check_gather(name, x, spec_leaf, mesh, padded)
     out = []
     for x, spec_leaf in zip(leaves, spec_leaves, strict=True):
+        if x is not None and isinstance(spec_leaf, LeafLayout):
+            out.append(spec_leaf.gather_leaf(x, mesh))
+            continue
         for dim, part in enumerate(_as_spec(spec_leaf) if x is not None else ()):
             if part is None:
                 continue

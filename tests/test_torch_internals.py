@@ -179,6 +179,23 @@ def test_functorch_wrappers_under_grad_and_vmap():
     assert not ti.is_functorch_wrapped(x) and ti.unwrap_functorch(x) is x
 
 
+def test_is_differentiated_under_grad_levels():
+    """A grad level's argument in argnums is differentiated, one outside is not (it is
+    wrapped all the same); an outer level counts; jvp tangents do not; autograd does."""
+    seen = []
+
+    def f(a, b):
+        seen.append((ti.is_differentiated(a), ti.is_differentiated(b)))
+        return (a * b).sum()
+
+    a, b = torch.ones(2), torch.ones(2)
+    torch.func.grad(f)(a, b)
+    torch.func.grad(lambda a, b: torch.func.grad(f)(a, b).sum(), argnums=1)(a, b)
+    torch.func.jvp(f, (a, b), (a, b))
+    assert seen == [(True, False), (True, True), (False, False)]
+    assert ti.is_differentiated(a.requires_grad_()) and not ti.is_differentiated(b)
+
+
 def test_interpreter_stack_and_transform_types():
     seen = {}
 
@@ -293,6 +310,12 @@ def test_batch_norm_base_is_the_base_of_torch_batch_norms():
     ours, theirs = Plain(3), nn.BatchNorm1d(3)
     torch.testing.assert_close(ours(x), theirs(x))
     torch.testing.assert_close(ours.running_mean, theirs.running_mean)
+
+
+def test_assert_async_passes_a_true_condition_and_raises_on_a_false_one_on_the_cpu():
+    ti.assert_async(torch.tensor(True), "fine")
+    with pytest.raises(RuntimeError):  # on the CPU it fails at once (CUDA: a device assert)
+        ti.assert_async(torch.tensor(False), "out of range")
 
 
 def test_every_internal_has_a_test_here():

@@ -40,9 +40,10 @@ from torch import nn
 
 from shardfn.functional import FunctionalModel
 from shardfn.mesh import Mesh
-from shardfn.spec import Layout, gather, spec_axes
+from shardfn.spec import FusedLayout, Layout, LeafLayout, gather, local_shape, shard, spec_axes
+from shardfn.transforms._tp_checks import check_apply, check_init, checking, value_hashes
 from shardfn.transforms._tp_rng import call_streams
-from shardfn.transforms.tensor_split import FusedLayout, TensorSplitModel
+from shardfn.transforms.tensor_split import TensorSplitModel
 
 __all__ = ["FsdpTpLayout", "FsdpTpModel", "TpLocalModel", "copy_sharing_meshes",
            "over_tensor_split", "tp_local_model"]
@@ -71,7 +72,7 @@ def copy_sharing_meshes(module: nn.Module) -> nn.Module:
 
 
 @dataclasses.dataclass(frozen=True)
-class FsdpTpLayout:
+class FsdpTpLayout(LeafLayout):
     """The 2-D layout of one leaf: a TP split of the full leaf, then a dp split of the TP shard.
 
     Attributes:
@@ -80,9 +81,9 @@ class FsdpTpLayout:
         dp: the ``shard_params`` layout of this rank's TP shard: ``P(dp)`` on dim 0 of
             the TP-local shape (zero-padded), ``P()`` for 0-dim parameters and buffers.
 
-    ``sf.gather``/``sf.shard`` do not take it (a split of a split is no single
-    ``P``): use ``FsdpTpModel.gather_params`` / ``shard``. ``sharded_axes`` is what
-    ``clip_by_global_norm`` reads.
+    A split of a split is no single ``P``: ``sf.gather``/``sf.shard`` call its
+    ``gather_leaf``/``shard_leaf`` (as ``FsdpTpModel.gather_params`` / ``shard`` do).
+    ``sharded_axes`` is what ``clip_by_global_norm`` reads.
 
     Example:
         >>> model.specs["blocks.0.mlp.fc2.weight"].sharded_axes
@@ -103,15 +104,18 @@ class FsdpTpLayout:
         tp_axes = (self.tp.axis,) if isinstance(self.tp, FusedLayout) else spec_axes(self.tp)
         return tuple(dict.fromkeys(tp_axes + spec_axes(self.dp)))
 
-    def _refuse(self) -> TypeError:
-        return TypeError(f"{self} is a 2-D (tp, then dp) layout, which sf.gather/sf.shard "
-                         "cannot express: use FsdpTpModel.gather_params(shards) / shard(full)")
+    def local_shape(self, mesh: Mesh) -> tuple[int, ...]:
+        """This rank's (tp, dp) shard shape."""
+        return local_shape(self.dp.shape, self.dp, mesh)
 
-    def __len__(self) -> int:
-        raise self._refuse()
+    def shard_leaf(self, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        """The tp shard of the full ``x``, then its dp shard (no communication)."""
+        return shard(shard(x, self.tp, mesh, replicated_over=()), self.dp, mesh,
+                     replicated_over=())
 
-    def __iter__(self):
-        raise self._refuse()
+    def gather_leaf(self, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        """All-gather over dp (the tp shard), then over tp (the full leaf)."""
+        return gather(gather(x, self.dp, mesh), self.tp, mesh)
 
 
 # ---------------------------------------------------------------- the TP-local model
@@ -140,6 +144,8 @@ class TpLocalModel(FunctionalModel):
             >>> local.init_subset(0, ["blocks.0.mlp.fc1"])["blocks.0.mlp.fc1.weight"].shape
         """
         full = self.tp.fmodel.init_subset(seed, module_paths, device, recurse=recurse)
+        check_init(self.tp, value_hashes(full) if checking(self.tp) else {},
+                   "tensor_split.init (FSDP x TP)")  # check mode: same over tp
         return self.tp.cut(full)
 
     def train(self, mode: bool = True) -> TpLocalModel:
@@ -259,6 +265,7 @@ class FsdpTpModel:
         Example:
             >>> local_logits = model.apply(shards, tokens)
         """
+        check_apply(self.tp, args, kwargs)  # check mode: same plan and inputs over tp
         with call_streams(self.tp.mesh.index(self.tp.axis)):  # split-region dropout streams
             return self.sharded.apply(shards, *args, mutable=mutable, **kwargs)
 

@@ -57,6 +57,11 @@ class SequenceParallel:
 
     sequence_dim: int = -2
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.sequence_dim, int) or isinstance(self.sequence_dim, bool):
+            raise ValueError(f"SequenceParallel: sequence_dim={self.sequence_dim!r} is not "
+                             "valid; give an int")
+
 
 @dataclasses.dataclass(frozen=True)
 class SplitRNG:

@@ -39,6 +39,7 @@ from torch import nn
 from shardfn.mesh import Mesh
 from shardfn.primitives import all_gather, axis_index, psum_invariant, psum_scatter, pvary
 from shardfn.spec import P
+from shardfn.transforms._tp_checks import check_ids
 from shardfn.transforms._tp_sequence import (
     SequenceParallel,
     SplitRNG,
@@ -48,6 +49,26 @@ from shardfn.transforms._tp_sequence import (
 
 __all__ = ["Colwise", "Replicate", "Rowwise", "SequenceParallel", "SplitRNG", "Style", "Vocab",
            "as_style"]
+
+
+def check_fields(style: object) -> None:
+    """Refuse a style whose fields have the wrong type or range, naming the field."""
+    for field in dataclasses.fields(style):
+        value = getattr(style, field.name)
+        if field.name in ("gather_output", "sequence_parallel"):
+            ok, want = isinstance(value, bool), "True or False"
+        elif field.name == "sequence_dim":
+            ok, want = isinstance(value, int) and not isinstance(value, bool), "an int"
+        elif field.name == "fused":
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            want = "an int >= 1"
+        else:  # n_heads
+            ok = value is None or isinstance(value, int) and not isinstance(value, bool) \
+                and value >= 1
+            want = "None or an int >= 1"
+        if not ok:
+            raise ValueError(f"{type(style).__name__}: {field.name}={value!r} is not valid; "
+                             f"give {want}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +93,9 @@ class Colwise:
     sequence_parallel: bool = False
     sequence_dim: int = -2
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+
 
 @dataclasses.dataclass(frozen=True)
 class Rowwise:
@@ -90,6 +114,9 @@ class Rowwise:
     sequence_parallel: bool = False
     sequence_dim: int = -2
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+
 
 @dataclasses.dataclass(frozen=True)
 class Vocab:
@@ -106,6 +133,9 @@ class Vocab:
 
     sequence_parallel: bool = False
     sequence_dim: int = -2
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +216,8 @@ def leaf_specs(module: nn.Module, path: str, style: Style, axis: str, tp: int) -
 
 
 def fused_local(full: torch.Tensor, parts: int, tp: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s rows of a fused weight: block ``rank`` of each of the ``parts`` parts."""
+    """Rank ``rank``'s rows of a fused weight: block ``rank`` of each of the ``parts`` parts
+    (what ``sf.FusedLayout.shard_leaf`` cuts)."""
     split = einops.rearrange(full, "(part tp rows) ... -> part tp rows ...", part=parts, tp=tp)
     return einops.rearrange(split[:, rank], "part rows ... -> (part rows) ...")
 
@@ -214,6 +245,14 @@ class _Split(nn.Module):
     def extra_repr(self) -> str:
         sp = "" if self.sequence_dim is None else f", sequence_dim={self.sequence_dim}"
         return f"{self.inner_type}, axis={self.axis!r}{sp}"
+
+    def _check_features(self, x: torch.Tensor, what: str) -> None:
+        """Refuse an input whose last dim is not the ``in_features`` this rank's weight takes."""
+        features = self.weight.shape[1]
+        if x.dim() == 0 or x.shape[-1] != features:
+            raise ValueError(f"tensor_split: module {self.path!r} ({type(self).__name__} over "
+                             f"{self.axis!r}) takes inputs [..., {features}] ({what}), got "
+                             f"shape {tuple(x.shape)}")
 
     def _scatter_sequence(self, y: torch.Tensor) -> torch.Tensor:
         """Sum over the axis and keep this rank's sequence chunk (SP's replacement for g)."""
@@ -243,6 +282,7 @@ class ColwiseLinear(_Split):
         else:  # the chunk needs no divisibility check (1): any length gathers
             dim = check_sequence(x, self.sequence_dim, 1, self.path, self.axis)
             x = all_gather(x, self.axis, dim=dim, mesh=self.mesh)
+        self._check_features(x, "all of its input features, replicated")
         y = F.linear(x, self.weight, self.bias)
         if not self.gather_output:
             return y
@@ -264,6 +304,8 @@ class RowwiseLinear(_Split):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_features(x, "this rank's slice of its input features, as a colwise layer "
+                                "without gather_output gives it")
         partial = F.linear(x, self.weight)
         if self.sequence_dim is None:
             y = psum_invariant(partial, self.axis, mesh=self.mesh)
@@ -283,6 +325,8 @@ class VocabEmbedding(_Split):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight.shape[0]
+        check_ids(ids, rows * self.mesh.size(self.axis), self.path, self.mesh, self.axis,
+                  self.sequence_dim is not None)
         start = axis_index(self.axis, mesh=self.mesh) * rows
         mine = (ids >= start) & (ids < start + rows)
         local_ids = torch.where(mine, ids - start, torch.zeros_like(ids))

@@ -14,15 +14,13 @@ returns a :class:`TensorSplitModel`:
   (Megatron ``f`` = ``sf.pvary`` into a colwise layer, ``g`` =
   ``sf.psum_invariant`` out of a rowwise layer or a vocab embedding);
 * ``specs``: ``name -> sf.Layout`` (global shape and ``P``), so
-  ``sf.gather(params, model.specs, mesh) == fmodel.init(seed)``, except for
-  fused leaves (below).
+  ``sf.gather(params, model.specs, mesh) == fmodel.init(seed)``.
 
 Fused projections (``Colwise(fused=3)`` on a ``[q|k|v]`` linear): rank ``r``
 holds ``q[r] | k[r] | v[r]``, which no plain ``Layout`` describes (it is a
-strided split). Their ``specs`` entry is a :class:`FusedLayout`, which
-``sf.gather``/``sf.shard`` do not accept (they raise); use
-``model.gather_params(params)`` and ``model.shard_params_tree(full)``, which
-handle every leaf.
+strided split). Their ``specs`` entry is an ``sf.FusedLayout``, which
+``sf.gather``/``sf.shard`` handle like any layout (as do
+``model.gather_params(params)`` and ``model.shard_params_tree(full)``).
 
 Cost per step, per split MLP block (colwise then rowwise) on activations of
 ``B`` bytes over ``tp`` ranks: one psum (``2 B (tp-1)/tp`` sent) forward (the
@@ -55,11 +53,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardfn._functional_leaves import refuse_differentiated_state
 from shardfn._functional_swap import call_module
 from shardfn.functional import FunctionalModel
 from shardfn.mesh import Mesh, get_mesh
-from shardfn.primitives import all_gather
-from shardfn.spec import Layout, P, gather, local_shape, spec_axes
+from shardfn.spec import FusedLayout, Layout, P, gather, local_shape, shard, spec_axes
+from shardfn.transforms._tp_checks import (
+    check_apply,
+    check_init,
+    checking,
+    note_plan,
+    value_hashes,
+)
 from shardfn.transforms._tp_plan import (
     check_sequence_parallel,
     check_tied,
@@ -75,8 +80,6 @@ from shardfn.transforms._tp_styles import (
     SplitRNG,
     Style,
     Vocab,
-    fused_full,
-    fused_local,
     leaf_specs,
     wrap,
 )
@@ -95,35 +98,6 @@ __all__ = [
 ]
 
 Params = dict[str, torch.Tensor]
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedLayout:
-    """The layout of a fused colwise leaf: ``parts`` parts, each split on dim 0 over ``axis``.
-
-    Not a :class:`~shardfn.Layout`: ``sf.gather``/``sf.shard`` refuse it; use
-    ``TensorSplitModel.gather_params`` / ``shard_params_tree``.
-    """
-
-    axis: str
-    parts: int
-    shape: tuple[int, ...]
-
-    @property
-    def sharded_axes(self) -> tuple[str, ...]:
-        """The mesh axes the leaf is split over (as ``FsdpTpLayout.sharded_axes``)."""
-        return (self.axis,)
-
-    def _refuse(self) -> TypeError:
-        return TypeError(f"{self} describes a fused leaf (rank r holds block r of each of its "
-                         f"{self.parts} parts), which sf.gather/sf.shard cannot express: use "
-                         "TensorSplitModel.gather_params(params) / shard_params_tree(full)")
-
-    def __len__(self) -> int:
-        raise self._refuse()
-
-    def __iter__(self):
-        raise self._refuse()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -175,8 +149,13 @@ class TensorSplitModel:
             >>> params = tp.init(0)   # params["0.weight"].shape == (32 // tp_size, 8)
         """
         out: Params = {}
+        hashes: dict[str, str] = {}  # check mode: the full leaves, compared over the axis
         for path in self.fmodel.module_paths:
-            out.update(self.cut(self.fmodel.init_subset(seed, [path], device=device)))
+            full = self.fmodel.init_subset(seed, [path], device=device)
+            if checking(self):
+                hashes.update(value_hashes(full))
+            out.update(self.cut(full))
+        check_init(self, hashes, "tensor_split.init")
         return {name: out[name] for name in self.names}
 
     def shard_params_tree(self, full: Mapping[str, torch.Tensor]) -> Params:
@@ -190,60 +169,70 @@ class TensorSplitModel:
             in ``names`` order.
         """
         self.fmodel.check(full)
+        check_init(self, value_hashes(full) if checking(self) else {},
+                   "tensor_split.shard_params_tree")
         return self.cut(full)
 
     def cut(self, full: Mapping[str, torch.Tensor]) -> Params:
         """This rank's shards of the leaves in ``full``, any subset of the names (no checks,
         no communication): split leaves are copies, replicated ones ``full``'s tensors."""
-        tp, rank = self.mesh.size(self.axis), self.mesh.index(self.axis)
         out = {}
         for name, x in full.items():
             layout = self.specs[name]
             if isinstance(layout, FusedLayout):
-                out[name] = fused_local(x, layout.parts, tp, rank).clone()
-                continue
-            if spec_axes(layout):
-                for dim, part in enumerate(layout.spec):
-                    if part is not None:
-                        block = x.shape[dim] // tp
-                        x = x.narrow(dim, rank * block, block)
-                x = x.clone()
+                x = layout.shard_leaf(x, self.mesh).clone()
+            elif spec_axes(layout):  # even splits (tensor_split refuses uneven ones)
+                x = shard(x, layout, self.mesh, replicated_over=()).clone()
             out[name] = x
         return {name: out[name] for name in self.names if name in out}
 
     def gather_params(self, params: Mapping[str, torch.Tensor]) -> Params:
-        """The full tree from every rank's shards (differentiable; works on gradients too).
+        """The full tree from every rank's shards (differentiable).
+
+        Works on gradients too, and on any subset of the leaves (the trainable part of
+        ``split_trainable``, a gradient tree without buffers); every rank must pass the
+        same names.
+
+        Raises:
+            ValueError: a name that is not a leaf, or a leaf whose shape is not its
+                local shard's.
 
         Example:
             >>> full = tp.gather_params(params)   # == fmodel.init(0)
         """
-        self.check(params)
+        self.check_leaves(params, "gather_params")
         return self.gather_leaves(params)
+
+    def check_leaves(self, tree: Mapping[str, torch.Tensor], what: str = "tensor_split") -> None:
+        """Check that ``tree`` holds leaves of the model (any subset) with local shard shapes."""
+        if not isinstance(tree, Mapping):
+            raise TypeError(f"{what}: expected a dict name -> local shard, got "
+                            f"{type(tree).__name__}")
+        unknown = [name for name in tree if name not in self.specs]
+        if unknown:
+            raise ValueError(f"{what}: not leaves of the model: {unknown}; its leaves are "
+                             f"{list(self.names)}")
+        shapes = self.local_shapes
+        for name, x in tree.items():
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{what}: leaf {name!r} is a {type(x).__name__}, not a Tensor")
+            if tuple(x.shape) != tuple(shapes[name]):
+                raise ValueError(f"{what}: leaf {name!r} has shape {tuple(x.shape)}, but its "
+                                 f"local shard on axis {self.axis!r} "
+                                 f"({self.mesh.size(self.axis)} ranks) is {shapes[name]}")
 
     def gather_leaves(self, local: Mapping[str, torch.Tensor]) -> Params:
         """The full leaves from every rank's shards of the leaves in ``local``, any subset of
         the names (every rank must pass the same names); differentiable."""
         names = [n for n in self.names if n in local]
-        plain = [n for n in names if not isinstance(self.specs[n], FusedLayout)]
-        full = gather({n: local[n] for n in plain}, {n: self.specs[n] for n in plain}, self.mesh)
-        tp = self.mesh.size(self.axis)
-        for name in names:
-            layout = self.specs[name]
-            if isinstance(layout, FusedLayout):
-                gathered = all_gather(local[name], self.axis, dim=0, mesh=self.mesh)
-                full[name] = fused_full(gathered, layout.parts, tp)
-        return {name: full[name] for name in names}
+        return gather({n: local[n] for n in names}, {n: self.specs[n] for n in names}, self.mesh)
 
     # ---------------------------------------------------------------- apply
 
     def check(self, params: Mapping[str, torch.Tensor]) -> None:
         """Check names and local shapes of a tree of this rank's shards (names each bad leaf)."""
         self.fmodel.check(params, shapes=False)
-        for name, shape in self.local_shapes.items():
-            if tuple(params[name].shape) != tuple(shape):
-                raise ValueError(f"tensor_split: leaf {name!r} has shape "
-                                 f"{tuple(params[name].shape)}, but its local shard on axis "
-                                 f"{self.axis!r} ({self.mesh.size(self.axis)} ranks) is {shape}")
+        self.check_leaves(params)
 
     def apply(self, params: Mapping[str, torch.Tensor], *args: Any, mutable: bool = False,
               **kwargs: Any) -> Any:
@@ -270,10 +259,13 @@ class TensorSplitModel:
         if not isinstance(mutable, bool):
             raise TypeError(f"apply: mutable must be True or False, got {mutable!r}")
         self.check(params)
+        refuse_differentiated_state(params, self.fmodel.buffer_names, self.fmodel.frozen_names,
+                                    "tensor_split.apply")
+        check_apply(self, args, kwargs)  # check mode: same plan and inputs on every tp rank
         call_params = dict(params)
         for name in self.fmodel.buffer_names:
             call_params[name] = call_params[name].clone()
-        with call_streams(self.mesh.index(self.axis)):
+        with call_streams(self.mesh.index(self.axis)), note_plan(self):
             out = call_module(self.module, call_params, args, kwargs)
         if not mutable:
             return out
@@ -361,6 +353,16 @@ def tensor_split(fmodel: FunctionalModel, mesh: Mesh | None = None, axis: str = 
     if not isinstance(fmodel, FunctionalModel):
         raise TypeError(f"tensor_split expects a FunctionalModel (sf.functional(module)), "
                         f"got {type(fmodel).__name__}")
+    if plan is not None and not isinstance(plan, Mapping):
+        raise TypeError(f"tensor_split: plan must be a dict {{glob over module paths: style}}, "
+                        f"e.g. {{'mlp.fc1': 'colwise', 'mlp.fc2': 'rowwise'}}; got a "
+                        f"{type(plan).__name__}: {plan!r:.200}" + (
+                            " (a list of (glob, style) pairs: pass dict(pairs))"
+                            if isinstance(plan, list | tuple) else ""))
+    bad_keys = [key for key in (plan or {}) if not isinstance(key, str)]
+    if bad_keys:
+        raise TypeError(f"tensor_split: plan keys must be globs over module paths (str), got "
+                        f"{bad_keys!r:.200}")
     mesh = get_mesh(mesh)
     if axis not in mesh.axis_names:
         raise ValueError(f"tensor_split: axis {axis!r} is not an axis of the mesh "

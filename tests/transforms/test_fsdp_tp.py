@@ -307,18 +307,15 @@ def _layout_on_rank(case: dict):
     grads = {n: torch.full_like(t, 1.0) for n, t in shards.items()}  # padding included
     specs = model.specs
     norm = sf.optim.global_norm(grads, specs, mesh)
-    try:
-        sf.gather(shards, specs, mesh)
-        refused = None
-    except TypeError as error:
-        refused = str(error)
+    gathered = sf.gather(shards, specs, mesh)  # issue 22: FsdpTpLayout (fused qkv too)
+    resharded = all(torch.equal(t, shards[n]) for n, t in sf.shard(gathered, specs, mesh).items())
     axes = {n: specs[n].sharded_axes for n in ("blocks.0.attn.qkv.weight",
                                               "blocks.0.mlp.fc2.weight", "ln_f.weight")}
     tokens = torch.arange(8).reshape(1, 8) % case["vocab"]
     same_in_eval = torch.equal(model.eval().apply(shards, tokens), model.apply(shards, tokens))
     numel = sum(t.numel() for t in shards.values())
-    return norm, refused, axes, {n: tuple(t.shape) for n, t in shards.items()}, numel, \
-        same_in_eval
+    return norm, (gathered, resharded), axes, {n: tuple(t.shape) for n, t in shards.items()}, \
+        numel, same_in_eval
 
 
 def test_specs_describe_both_splits_and_the_global_norm_counts_each_element_once(worlds):
@@ -330,15 +327,16 @@ def test_specs_describe_both_splits_and_the_global_norm_counts_each_element_once
         "blocks.1.mlp.fc2.bias"}
     # memory per rank: (Psi_split / tp + Psi_replicated) / dp (no padding here)
     per_rank = sum(t.numel() // (2 if n in tp_split else 1) for n, t in full.items()) // 2
-    for norm, refused, axes, shapes, numel, same_in_eval in worlds(4).run(_layout_on_rank,
-                                                                          case):
+    for norm, (gathered, resharded), axes, shapes, numel, same_in_eval in worlds(4).run(
+            _layout_on_rank, case):
         assert numel == per_rank
         assert same_in_eval
         # every split here is even (no padding): a gradient of ones has norm**2 = the number
         # of elements, unless a tp-split or a replicated-over-tp leaf were miscounted
         ones = {n: torch.ones_like(t) for n, t in full.items()}
         assert_close(norm, sf.optim.global_norm(ones))
-        assert refused is not None and "gather_params" in refused
+        assert_close(gathered, full)  # sf.gather and sf.shard take FsdpTpLayout (issue 22)
+        assert resharded
         assert axes == {"blocks.0.attn.qkv.weight": ("tp", "dp"),
                         "blocks.0.mlp.fc2.weight": ("tp", "dp"), "ln_f.weight": ("dp",)}
         assert shapes["blocks.0.attn.qkv.weight"] == (3 * 16 // 2 // 2, 16)

@@ -284,16 +284,12 @@ def _errors_on_rank():
     with pytest.raises(ValueError) as error:  # the tied head would use the full weight
         tensor_split(gpt, mesh, "tp", {"tok": "vocab"})
     messages.append(str(error.value))
-    attn = tensor_split(sf.functional(TinyAttnLM(4, 4, 2)), mesh, "tp", attn_plan(2))
-    with pytest.raises(TypeError) as error:  # a plain gather cannot undo the fused split
-        sf.gather(attn.init(0), attn.specs, mesh)
-    messages.append(str(error.value))
-    return messages
+    return messages  # sf.gather of a fused layout works since issue 22 (test_tensor_split_misuse)
 
 
 def test_bad_plans_raise_naming_the_module(worlds):
     for messages in worlds(2).run(_errors_on_rank):
-        nothing, ln, vocab, unknown, col, row, emb, heads, twice, full, tied, fused = messages
+        nothing, ln, vocab, unknown, col, row, emb, heads, twice, full, tied = messages
         assert "'blocks.*.fc1' matches no module" in nothing and "'mlp.fc1'" in nothing
         assert "'mlp.ln'" in ln and "LayerNorm" in ln
         assert "nn.Embedding" in vocab and "'mlp.fc1'" in vocab
@@ -305,7 +301,6 @@ def test_bad_plans_raise_naming_the_module(worlds):
         assert "both" in twice
         assert "'mlp.fc1.weight'" in full and "(3, 8)" in full
         assert "'head.weight' is tied to 'tok.weight'" in tied and "not in the plan" in tied
-        assert "FusedLayout" in fused and "gather_params" in fused
 
 
 def test_user_module_is_not_changed():
