@@ -20,7 +20,7 @@ __all__ = ["MAX_ENTRIES", "Declared", "DeclaredValue", "Packed", "declared_entri
 _TENSOR, _TUPLE, _LIST = 0, 1, 2  # what a message's value is: one tensor, a tuple, a list
 MAX_ENTRIES = 8  # tensors in one message (a stage's tuple output)
 _MAX_DIMS = 8
-_ENTRY = 3 + _MAX_DIMS  # per entry: present, dtype, ndim, dims
+_ENTRY = 3 + _MAX_DIMS  # per entry: present (2: requires grad), dtype, ndim, dims
 _HEADER_LEN = 4 + _ENTRY  # status, container, entries, text length, entry 0
 _FULL_LEN = 4 + MAX_ENTRIES * _ENTRY  # with the second header: entries 1, 2, ...
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
@@ -145,7 +145,7 @@ def _header_values(status: int, container: int, entries: list[torch.Tensor | Non
         if tensor.dtype not in _DTYPES:
             raise TypeError(f"pipeline messages cannot carry dtype {tensor.dtype} (entry {j})")
         at = 4 + j * _ENTRY
-        values[at:at + 3] = 1, _DTYPES.index(tensor.dtype), tensor.dim()
+        values[at:at + 3] = 1 + tensor.requires_grad, _DTYPES.index(tensor.dtype), tensor.dim()
         values[at + 3:at + 3 + tensor.dim()] = tensor.shape
     return values
 
@@ -159,6 +159,11 @@ def _decode(values: list[int]) -> tuple[int, int, list[Declared | None], int]:
         entries.append(Declared(tuple(values[at + 3:at + 3 + ndim]), _DTYPES[dtype])
                        if present else None)
     return values[0], values[1], entries, values[3]
+
+
+def _grad_flags(values: list[int]) -> tuple[bool, ...]:
+    """Per entry of a header's values: whether the sender's tensor required grad."""
+    return tuple(values[4 + j * _ENTRY] == 2 for j in range(values[2]))
 
 
 def _rebuild(container: int, entries: list[torch.Tensor | None]) -> Any:

@@ -65,6 +65,7 @@ from shardfn.transforms.pipeline._declared import (
     DeclaredValue,
     Packed,
     _decode,
+    _grad_flags,
     _header,
     _header_values,
     _nbytes,
@@ -125,6 +126,8 @@ class Messenger:
         self.sent: set[tuple[Key, int]] = set()
         self.received: set[tuple[Key, int]] = set()
         self.header_first = 0
+        #: key -> per entry, whether the sender's tensor required grad (from its header)
+        self.grad_flags: dict[Key, tuple[bool, ...]] = {}
 
     def _tags(self, key: Key) -> tuple[int, int, int, list[int]]:
         """``(header, text, second header, payload tags per entry)`` of message ``key``."""
@@ -268,7 +271,9 @@ class Messenger:
         self._post_recv(key, src)  # unless posted ahead
         works, packed = self.posted.pop((key, src))
         self._wait(works, f"pipeline recv {key} from pp {src}")
-        status, container, found, text_len = _decode(packed.header.tolist())
+        values = packed.header.tolist()
+        status, container, found, text_len = _decode(values)
+        self.grad_flags[key] = _grad_flags(values)
         wrong = [j for j, d in enumerate(found)
                  if d is not None and (j >= len(declared) or declared[j] != d)]
         if wrong:  # the sender checked its payloads against its own declaration
@@ -319,7 +324,9 @@ class Messenger:
         if int(header[0]) == OK and int(header[2]) > 1:
             self._wait_all([dist.P2POp(dist.irecv, second, group=self.ax.group,
                                        group_peer=src, tag=second_tag)], description)
-        status, container, found, text_len = _decode(header.tolist() + second.tolist())
+        values = header.tolist() + second.tolist()
+        status, container, found, text_len = _decode(values)
+        self.grad_flags[key] = _grad_flags(values)
         if status == OK and any(d is not None for d in found):
             self.header_first += 1
             payloads = [None if d is None else torch.empty(d.shape, dtype=d.dtype,

@@ -23,12 +23,14 @@ import torch
 from torch import nn
 
 from shardfn import spec
+from shardfn._functional_leaves import refuse_differentiated_state
 from shardfn._torch_internals import get_interpreter_stack
 from shardfn.functional import FunctionalModel, functional
 from shardfn.mesh import Mesh
 from shardfn.primitives import collectives
 from shardfn.primitives._comm import resolve
 from shardfn.transforms.pipeline._p2p import MessageBuffers, Messenger
+from shardfn.transforms.pipeline.guard import CallGuard, agree_on_batch, check_batch, exclusive
 from shardfn.transforms.pipeline.inference import run_forward
 from shardfn.transforms.pipeline.runtime import StepPlan, run_step, settle_and_raise
 from shardfn.transforms.pipeline.schedules import SCHEDULES, Schedule, make_schedule
@@ -41,7 +43,6 @@ from shardfn.transforms.pipeline.stage import (
     resolve_balance,
     stage_module,
 )
-from shardfn.transforms.pipeline.values import describe
 from shardfn.transforms.shard_params import ShardedModel
 
 __all__ = ["PipelineModel", "pipeline_stages"]
@@ -64,6 +65,7 @@ class PipelineModel:
         shape_cache: the inferred shapes (:class:`~.shapes.ShapeCache`).
         message_buffers: activation and gradient message buffers kept from one
             ``value_and_grad`` to the next (:class:`~._buffers.MessageBuffers`).
+        call_guard: one call at a time (:class:`~.guard.CallGuard`: a second thread raises).
     """
 
     mesh: Mesh
@@ -75,6 +77,7 @@ class PipelineModel:
     shape_cache: ShapeCache = dataclasses.field(default_factory=ShapeCache, repr=False)
     message_buffers: MessageBuffers = dataclasses.field(default_factory=MessageBuffers,
                                                         repr=False)
+    call_guard: CallGuard = dataclasses.field(default_factory=CallGuard, repr=False)
 
     @property
     def schedule(self) -> Schedule:
@@ -148,6 +151,7 @@ class PipelineModel:
             leaves.update(model.init(seed) if device is None else model.init(seed, device))
         return {name: leaves[name] for name in self.names}
 
+    @exclusive
     def value_and_grad(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor,
                        targets: Any, *, report: bool = False, mutable: bool = False
                        ) -> tuple[Any, ...]:
@@ -182,7 +186,8 @@ class PipelineModel:
 
         Raises:
             ValueError: wrong leaves, a batch smaller than the micro-batch count, an
-                uneven split with declared shapes, or a stage error (every rank raises).
+                uneven split with declared shapes, a stage error, or pp ranks given different
+                batches (every rank raises). ConcurrentCallError: another thread's call.
         """
         _refuse_transforms("value_and_grad")
         if not isinstance(mutable, bool):
@@ -192,8 +197,12 @@ class PipelineModel:
                              "remat= (a recomputed forward would update the buffers again)")
 
         def prepare() -> Params:  # on every rank inside the step: a bad call stops them all
+            agree_on_batch(self.plan.ax, inputs, targets, self.schedule.n_microbatches,
+                           self.plan.device)
             self._check_params(params)
             self._check_batch(inputs, targets)
+            refuse_differentiated_state(params, self.full.buffer_names, self.full.frozen_names,
+                                        "pipeline value_and_grad")
             trainable = {n for stage in self.stages for n in stage.trainable}
             return {n: t.detach().requires_grad_(True) if n in trainable else t
                     for n, t in params.items()}
@@ -212,6 +221,7 @@ class PipelineModel:
         found = (loss, grads) + ((step_report.buffers,) if mutable else ())
         return found + (step_report,) if report else found
 
+    @exclusive
     def apply(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor) -> Any:
         """Inference: the model's output for ``inputs``, on every pp rank (no graph).
 
@@ -223,6 +233,8 @@ class PipelineModel:
         _refuse_transforms("apply")
 
         def prepare() -> Mapping[str, torch.Tensor]:
+            agree_on_batch(self.plan.ax, inputs, None, self.schedule.n_microbatches,
+                           self.plan.device, "apply")
             self._check_params(params)
             self._check_batch(inputs, None)
             return params
@@ -235,6 +247,7 @@ class PipelineModel:
             self.shape_cache.put(key, shapes)
         return out
 
+    @exclusive
     def gather(self, params: Mapping[str, torch.Tensor]) -> Params:
         """The full tree (every stage's leaves) on every pp rank, in full-tree order.
 
@@ -296,21 +309,7 @@ class PipelineModel:
                              "; pass this rank's leaves (pp.init(seed))")
 
     def _check_batch(self, inputs: Any, targets: Any) -> None:
-        m = self.schedule.n_microbatches
-        if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
-            raise TypeError("pipeline inputs must be one tensor with a batch dim 0, got "
-                            f"{type(inputs).__name__}")
-        batch = inputs.shape[0]
-        if batch < m:
-            raise ValueError(f"pipeline: a batch of {batch} rows cannot be split into {m} "
-                             "micro-batches (each needs at least one row)")
-        if targets is not None and (not isinstance(targets, torch.Tensor)
-                                    or targets.dim() == 0 or targets.shape[0] != batch):
-            raise ValueError(f"pipeline targets must be a tensor with the inputs' batch size "
-                             f"{batch} on dim 0, got {describe(targets)}")
-        if self.plan.declared is not None and batch % m:
-            raise ValueError(f"pipeline: shapes= declares one shape per micro-batch, so the "
-                             f"batch ({batch} rows) must split evenly into {m} micro-batches")
+        check_batch(inputs, targets, self.schedule.n_microbatches, self.plan.declared is not None)
 
 
 def _refuse_transforms(what: str) -> None:
@@ -321,7 +320,7 @@ def _refuse_transforms(what: str) -> None:
 
 
 def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis: str = "pp",
-                    *, balance: Sequence[int] | str, schedule: str = "1f1b",
+                    *, balance: Sequence[int] | str | None = None, schedule: str = "1f1b",
                     microbatches: int, loss_fn: Callable[[Any, Any], torch.Tensor],
                     virtual: int = 1, shapes: Any = None, remat: Callable | None = None,
                     dp_axis: str | None = None, sample: Any = None,

@@ -131,7 +131,9 @@ def measure_unit_times(units: Any, sample: Any, repeats: int = 3) -> list[float]
 
     Each unit gets the previous unit's (detached) output; its backward is the gradient
     of ``output.sum()`` with respect to its trainable parameters and floating input, by
-    ``torch.autograd.grad`` (no ``.grad`` is written). The model is not changed.
+    ``torch.autograd.grad`` (no ``.grad`` is written). The model is not changed: its
+    buffers (BatchNorm statistics, ``num_batches_tracked``) are restored afterwards and
+    the passes draw from a forked random state (dropout leaves the caller's stream alone).
 
     Args:
         units: an ``nn.Sequential`` or a list of modules.
@@ -147,15 +149,48 @@ def measure_unit_times(units: Any, sample: Any, repeats: int = 3) -> list[float]
     listed = _as_units(units)
     if repeats < 1:
         raise ValueError(f"balance: repeats={repeats} must be >= 1")
+    kept = _snapshot(listed)  # the passes update BatchNorm statistics and draw random numbers
+    devices = sorted({t.device.index or 0 for t in _tensors(listed, sample) if t.is_cuda})
+    with torch.random.fork_rng(devices=devices):
+        try:
+            return _timed_passes(listed, sample, repeats)
+        finally:
+            _restore(kept)
+
+
+def _tensors(units: list[nn.Module], sample: Any) -> list[torch.Tensor]:
+    found = [t for unit in units for t in (*unit.parameters(), *unit.buffers())]
+    return found + ([sample] if isinstance(sample, torch.Tensor) else [])
+
+
+def _snapshot(units: list[nn.Module]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every buffer of the units with a copy of its value (running statistics, counters)."""
+    seen: set[int] = set()
+    kept = []
+    for unit in units:
+        for buffer in unit.buffers():
+            if id(buffer) not in seen:
+                seen.add(id(buffer))
+                kept.append((buffer, buffer.detach().clone()))
+    return kept
+
+
+def _restore(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for buffer, value in kept:
+            buffer.copy_(value)
+
+
+def _timed_passes(listed: list[nn.Module], sample: Any, repeats: int) -> list[float]:
     samples: list[list[float]] = [[] for _ in listed]
     for _ in range(repeats + 1):  # the first pass warms up and is not kept
         x = sample
         for i, unit in enumerate(listed):
             floating = isinstance(x, torch.Tensor) and x.is_floating_point()
-            x_in = x.detach().requires_grad_(True) if floating else x
+            x_in = x.detach().clone().requires_grad_(True) if floating else x  # sample kept
             start = time.perf_counter()
             with torch.enable_grad():
-                out = unit(x_in)
+                out = _run_unit(unit, i, x_in)
                 if not isinstance(out, torch.Tensor):
                     raise TypeError(f"balance by='time': unit {i} ({type(unit).__name__}) "
                                     f"returned a {type(out).__name__}; each unit must return "
@@ -167,6 +202,16 @@ def measure_unit_times(units: Any, sample: Any, repeats: int = 3) -> list[float]
             samples[i].append(time.perf_counter() - start)
             x = out.detach()
     return [statistics.median(s[1:]) for s in samples]
+
+
+def _run_unit(unit: nn.Module, i: int, x: Any) -> Any:
+    try:
+        return unit(x)
+    except Exception as error:  # noqa: BLE001 - re-raised with what was being measured
+        raise ValueError(f"balance='time': unit {i} ({type(unit).__name__}) failed on the "
+                         f"input it got while timing the units ({type(error).__name__}: "
+                         f"{error}); sample= must be an input of the first unit (one "
+                         "micro-batch), or pass a list of unit counts") from error
 
 
 def _check_explicit(balance: Sequence[Any], n_stages: int, n_units: int) -> tuple[int, ...]:

@@ -52,9 +52,9 @@ from shardfn.transforms.pipeline._p2p import (
     DeclaredValue,
     MessageBuffers,
     Messenger,
-    PeerFailed,
     declared_of_value,
 )
+from shardfn.transforms.pipeline.guard import FailureFlag, settle_and_raise
 from shardfn.transforms.pipeline.messages import message_lists, release_points
 from shardfn.transforms.pipeline.report import Event, StepReport
 from shardfn.transforms.pipeline.schedules import Action, Schedule, stage_rank
@@ -64,6 +64,7 @@ from shardfn.transforms.pipeline.values import (
     describe,
     detach,
     grad_declared,
+    grad_flags,
     grad_leaves,
     grad_roots,
     input_grads,
@@ -193,6 +194,7 @@ class StepState:
         self.batch = inputs.shape[0]
         self.messenger = messenger
         self.local: dict[tuple, Any] = {}
+        self.flags: dict[tuple, tuple[bool, ...]] = {}  # per activation: which need grad
         self.kept: dict[tuple[int, int], _Kept] = {}
         self.loss: torch.Tensor | None = None
         self.peak_live: dict[int, int] = {st.index: 0 for st in plan.stages.on_rank(plan.rank)}
@@ -207,6 +209,7 @@ class StepState:
         key = (kind, stage, microbatch)
         if dst == self.plan.rank:
             self.local[key] = detach(tensor)
+            self.flags[key] = grad_flags(tensor)
         else:
             if kind == "act":
                 self.seen[key] = declared_of_value(tensor)
@@ -226,6 +229,7 @@ class StepState:
             self.messenger.wait_sent(*sent)
         if kind == "act" and value is not None:
             self.seen[key] = declared_of_value(value)
+            self.flags[key] = self.messenger.grad_flags.pop(key, None)
         return value
 
     # -- actions --------------------------------------------------------------------------
@@ -235,7 +239,8 @@ class StepState:
 
     def _forward(self, s: int, i: int) -> None:
         plan = self.plan
-        x = self.inputs[i] if s == 0 else grad_leaves(self.take("act", s - 1, i))
+        x = self.inputs[i] if s == 0 else grad_leaves(self.take("act", s - 1, i),
+                                                      self.flags.pop(("act", s - 1, i), None))
         with torch.enable_grad():
             if self.buffers is not None:
                 out = self._forward_mutable(s, i, x)
@@ -349,20 +354,6 @@ class StepState:
                                  self.wait))
 
 
-
-
-def settle_and_raise(step_messenger: Messenger, owed, expected, error: BaseException,
-                      where: str) -> None:
-    text = str(error) if isinstance(error, PeerFailed) else \
-        f"{type(error).__name__}: {error} (in {where})"
-    try:
-        step_messenger.settle(owed, expected, text)
-    finally:
-        if hasattr(error, "add_note"):
-            error.add_note(where)
-    raise error
-
-
 def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
              inputs: torch.Tensor, targets: Any,
              inferred: Mapping[tuple, DeclaredValue] | None = None, mutable: bool = False,
@@ -394,12 +385,15 @@ def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
                           plan.device, pool)
     owed, expected = message_lists(plan.schedule, plan.rank)
     action: Action | None = None
+    flag = FailureFlag(plan.ax)  # a failing rank posts it: the others stop early
     try:
         leaves = prepare()
         step = StepState(plan, leaves, inputs, targets, messenger, inferred, mutable)
         for key, src in expected:  # all ahead of their actions (module docstring); one whose
             messenger.prepost(key, src)  # shapes are not known is received by its action
         for action in plan.schedule.actions[plan.rank]:
+            if not _receives(action, plan):  # nothing would tell this rank a peer failed
+                flag.raise_if_set()
             step.run(action)
         holder = stage_rank(plan.n_stages - 1, plan.schedule.n_ranks)
         if plan.rank == holder:
@@ -415,7 +409,7 @@ def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
             pool.clear()
         where = (f"pipeline step on pp rank {plan.rank}, during {action_text(action)} of "
                  f"schedule {plan.schedule.name!r}")
-        settle_and_raise(messenger, owed, expected, error, where)
+        settle_and_raise(messenger, owed, expected, error, where, flag)
     grads = {n: torch.zeros_like(leaves[n]) if leaves[n].grad is None else leaves[n].grad
              for st in plan.stages.on_rank(plan.rank) for n in st.trainable}
     buffers = step.buffers
@@ -424,6 +418,16 @@ def run_step(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
         buffers = None if buffers is None else pool.unalias(buffers)
     return step.loss, grads, StepReport(tuple(step.events), step.peak_live, step.peak_held,
                                         step.t0, messenger.header_first, step.seen, buffers)
+
+
+def _receives(action: Action, plan: StepPlan) -> bool:
+    """Whether ``action`` starts with a receive from another rank (that tells it of a
+    peer's failure): a forward after stage 0, a backward before the last stage."""
+    kind, s, _ = action
+    if kind == "F":
+        return s > 0 and stage_rank(s - 1, plan.schedule.n_ranks) != plan.rank
+    return kind == "B" and s < plan.n_stages - 1 and \
+        stage_rank(s + 1, plan.schedule.n_ranks) != plan.rank
 
 
 def _take_grad(x: torch.Tensor) -> torch.Tensor | None:

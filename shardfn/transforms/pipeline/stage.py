@@ -145,30 +145,40 @@ def as_units(model: nn.Module | Sequence[nn.Module]) -> tuple[nn.Module, ...]:
     return units
 
 
+#: what every balance error ends with: the forms that compute the counts
+_BALANCE_HINT = ("; or pass balance='params' (split by parameter count) or balance='time' "
+                 "(by measured time, with sample=) to have the counts computed")
+
+
 def check_balance(balance: Sequence[int], n_units: int, n_stages: int) -> tuple[int, ...]:
     """Validate an explicit balance: ``n_stages`` positive unit counts summing to ``n_units``.
 
     Raises:
         ValueError: naming what is wrong and what would be valid.
     """
+    if balance is None:
+        raise TypeError(f"pipeline_stages needs balance=: a list of {n_stages} unit counts "
+                        f"(one per stage, adding up to the {n_units} units)" + _BALANCE_HINT)
     if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
         raise TypeError(f"balance must be a list of unit counts per stage, 'params' or "
                         f"'time', got {balance!r}")
     counts = tuple(balance)
     bad = [c for c in counts if isinstance(c, bool) or not isinstance(c, int)]
     if bad:
-        raise TypeError(f"balance entries must be ints (units per stage), got {bad}")
+        raise TypeError(f"balance entries must be ints (units per stage), got {bad}"
+                        + _BALANCE_HINT)
     if len(counts) != n_stages:
         raise ValueError(f"balance {list(counts)} has {len(counts)} entries, but the pipeline "
                          f"has {n_stages} stages (pp size x virtual): give one unit count per "
-                         "stage")
+                         "stage" + _BALANCE_HINT)
     empty = [s for s, c in enumerate(counts) if c < 1]
     if empty:
         raise ValueError(f"balance {list(counts)}: stages {empty} have no units (every stage "
-                         "needs at least one)")
+                         "needs at least one)" + _BALANCE_HINT)
     if sum(counts) != n_units:
         raise ValueError(f"balance {list(counts)} covers {sum(counts)} units, but the model "
-                         f"has {n_units}: the counts must add up to the number of units")
+                         f"has {n_units}: the counts must add up to the number of units"
+                         + _BALANCE_HINT)
     return counts
 
 
@@ -184,12 +194,34 @@ def resolve_balance(balance: Any, units: Sequence[nn.Module], n_stages: int,
                                       ".balance, not written yet: pass a list of unit counts"
                                       ) from error
         by = balance
-        balance = balance_units(list(units), n_stages, by=by, sample=sample)
-        if by == "time" and mesh.size() > 1:  # timings differ by rank: mesh index 0 decides
-            every = resolve(mesh.axis_names, mesh)
-            counts = torch.tensor(list(balance), dtype=torch.int64)
-            balance = [int(c) for c in _comm.broadcast(counts, every, 0).tolist()]
+        if by == "params" or mesh.size() == 1:
+            balance = balance_units(list(units), n_stages, by=by, sample=sample)
+        else:  # timings differ by rank: mesh index 0 decides, once every rank measured
+            balance = _agreed_time_balance(list(units), n_stages, sample, mesh)
     return check_balance(balance, len(units), n_stages)
+
+
+def _agreed_time_balance(units: list[nn.Module], n_stages: int, sample: Any,
+                         mesh: Mesh) -> list[int]:
+    """``balance='time'`` on every rank, mesh index 0's counts broadcast; a rank whose
+    measurement failed makes every rank raise (none is left waiting in the broadcast)."""
+    from shardfn.transforms.pipeline.balance import balance_units
+
+    every = resolve(mesh.axis_names, mesh)
+    try:
+        counts, failure = list(balance_units(units, n_stages, by="time", sample=sample)), None
+    except (TypeError, ValueError, RuntimeError) as error:
+        counts, failure = [0] * n_stages, error
+    status = torch.zeros(every.size, dtype=torch.int64, device=mesh.device)
+    status[every.index] = int(failure is not None)
+    failed = [r for r, bad in enumerate(_comm.psum(status, every).tolist()) if bad]
+    if failure is not None:
+        raise failure
+    if failed:
+        raise ValueError(f"balance='time': measuring the units failed on mesh ranks {failed} "
+                         "(their errors say why); every rank must pass the same sample=")
+    found = _comm.broadcast(torch.tensor(counts, dtype=torch.int64, device=mesh.device), every, 0)
+    return [int(c) for c in found.tolist()]
 
 
 def _check_ties(full: FunctionalModel) -> None:

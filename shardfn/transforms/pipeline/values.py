@@ -29,7 +29,8 @@ from shardfn.transforms.pipeline._p2p import (
     entries_of,
 )
 
-__all__ = ["check_value", "describe", "detach", "grad_declared", "grad_leaves", "input_grads",
+__all__ = ["check_value", "describe", "detach", "grad_declared", "grad_flags", "grad_leaves",
+           "input_grads",
            "grad_roots", "mismatch", "needing_grad"]
 
 
@@ -51,18 +52,28 @@ def detach(value: Any) -> Any:
     return None if value is None else value.detach()
 
 
-def _grad_leaf(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
+def _grad_leaf(x: Any, wanted: bool = True) -> Any:
+    if wanted and isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
         return x.detach().requires_grad_(True)
     return x
 
 
-def grad_leaves(x: Any) -> Any:
+def grad_flags(value: Any) -> tuple[bool, ...]:
+    """Per entry of a stage output (one tensor, or a tuple's entries): requires grad."""
+    entries = value if isinstance(value, (tuple, list)) else [value]
+    return tuple(_needs_grad(e) for e in entries)
+
+
+def grad_leaves(x: Any, flags: Sequence[bool] | None = None) -> Any:
     """A received activation as the stage's input: floating tensors (each entry of a
-    tuple) become leaves requiring grad; integer ones (masks) stay as they are."""
+    tuple) become leaves requiring grad; integer ones (masks) stay as they are. With
+    ``flags`` (the sender's :func:`grad_flags`) only the entries that required grad on
+    the sender do: one that did not arrives as a plain tensor, as in the unsplit model
+    (an in-place op on it works there, and would fail on a leaf requiring grad)."""
     if isinstance(x, (tuple, list)):
-        return type(x)(_grad_leaf(e) for e in x)
-    return _grad_leaf(x)
+        wanted = [True] * len(x) if flags is None else flags
+        return type(x)(_grad_leaf(e, w) for e, w in zip(x, wanted, strict=False))
+    return _grad_leaf(x, True if not flags else flags[0])
 
 
 def needing_grad(x: Any) -> list[torch.Tensor]:
