@@ -11,6 +11,10 @@ trainings. :func:`initialize` reads that environment and joins the group:
   else ``"gloo"`` on CPU;
 - without the launcher's variables (a plain ``python script.py``) it does
   nothing: a world of one process needs no process group in shardfn;
+- before making the group every rank publishes its ``RANK`` and ``WORLD_SIZE`` on the
+  launcher's store: ranks that disagree fail at once naming every value seen, and ranks
+  that never come are named after ``join_timeout`` (``init_process_group`` alone waits
+  for them forever);
 - when a group already exists (a second call, a shardfn local world, a group
   the script made itself) it only checks that the group matches the request
   and the environment, and returns its description.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import time
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import NamedTuple
@@ -33,11 +38,19 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedInfo", "LaunchEnv", "initialize", "launch_environment", "shutdown"]
+__all__ = ["DistributedInfo", "JoinError", "LaunchEnv", "initialize", "launch_environment",
+           "shutdown"]
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _OURS: dict[str, object] = {}  # set while the default group is one initialize() created
 _ATEXIT_REGISTERED = False
+DEFAULT_JOIN_TIMEOUT_S = 300.0  # how long initialize() waits for every rank to join
+_JOINS = [0]  # initialize() calls that joined a world in this process (a key prefix)
+
+
+class JoinError(RuntimeError):
+    """The launched ranks do not describe one world: they disagree on ``WORLD_SIZE``,
+    share a ``RANK``, or some never joined within ``initialize(join_timeout=...)``."""
 
 
 class LaunchEnv(NamedTuple):
@@ -120,6 +133,7 @@ def initialize(
     *,
     timeout: float | timedelta | None = None,
     device: torch.device | str | int | None = None,
+    join_timeout: float | timedelta = DEFAULT_JOIN_TIMEOUT_S,
 ) -> DistributedInfo:
     """Join the process group torchrun's environment describes (idempotent).
 
@@ -130,6 +144,12 @@ def initialize(
             torch's).
         device: this process's CUDA device under NCCL (default
             ``cuda:LOCAL_RANK``: one GPU per local rank); an error with gloo.
+        join_timeout: how long a rank waits for the others to join (seconds or a
+            timedelta; default 300). Every rank publishes its ``RANK`` and
+            ``WORLD_SIZE`` on the launcher's store first: ranks that disagree on
+            ``WORLD_SIZE`` (or share a ``RANK``) fail at once, naming every value
+            seen; ranks that never come fail after ``join_timeout``, naming them
+            (``init_process_group`` alone would wait for them forever).
 
     Returns:
         ``DistributedInfo(rank, world_size, local_rank, backend, device)``. With no
@@ -142,6 +162,8 @@ def initialize(
             an unknown backend, NCCL without CUDA or with too few GPUs, ``device=``
             with gloo, or an existing group that contradicts the request or the
             environment (another backend, rank, world size or device).
+        JoinError: the ranks disagree on ``WORLD_SIZE`` or share a ``RANK``, or not
+            all of them joined within ``join_timeout``.
 
     Example:
         >>> info = initialize()   # under `torchrun --nproc-per-node 2 train.py`
@@ -151,6 +173,7 @@ def initialize(
     if backend is not None and backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl', 'gloo' or None (choose), got {backend!r}")
     pg_timeout = _as_timedelta(timeout)
+    join_after = _as_timedelta(join_timeout)
     launch = launch_environment()
     if dist.is_initialized():
         return _check_existing(launch, backend, device)
@@ -171,8 +194,11 @@ def initialize(
     cuda_device = _cuda_device(launch, device) if backend == "nccl" else None
     if cuda_device is not None:
         torch.cuda.set_device(cuda_device)
+    # the launcher's store, as env:// would make it, but joined with a bound on the wait
+    store = join_world(launch, join_after)
+    store.set_timeout(pg_timeout or _default_pg_timeout())
     dist.init_process_group(
-        backend, init_method="env://", rank=launch.rank, world_size=launch.world_size,
+        backend, store=store, rank=launch.rank, world_size=launch.world_size,
         timeout=pg_timeout, device_id=cuda_device,
     )
     _OURS["group"] = dist.group.WORLD
@@ -215,6 +241,12 @@ def _as_timedelta(timeout: float | timedelta | None) -> timedelta | None:
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
         raise ValueError(f"timeout must be positive seconds or a timedelta, got {timeout!r}")
     return timedelta(seconds=timeout)
+
+
+def _default_pg_timeout() -> timedelta:
+    from torch.distributed.constants import default_pg_timeout
+
+    return default_pg_timeout
 
 
 def _choose_backend(launch: LaunchEnv) -> str:
@@ -279,3 +311,99 @@ def _register_atexit() -> None:
     if not _ATEXIT_REGISTERED:
         atexit.register(shutdown)
         _ATEXIT_REGISTERED = True
+
+
+# ---- joining: every rank says which world it expects before the group is made --------------
+
+
+def join_world(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
+    """Connect to the launcher's store (as ``env://`` does) and agree on the world.
+
+    Every rank publishes ``RANK``/``WORLD_SIZE`` and waits until ``WORLD_SIZE`` ranks
+    have, all with its ``WORLD_SIZE`` and distinct ranks.
+
+    Args:
+        launch: this rank's launcher environment.
+        timeout: the bound on the wait (connecting included).
+
+    Returns:
+        The store, to pass to ``init_process_group(store=...)``.
+
+    Raises:
+        JoinError: a disagreement (at once, naming every rank's values) or ranks that
+            did not join within ``timeout`` (naming those that did).
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    try:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):  # torchrun's agent
+            store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
+                                  is_master=False, timeout=timeout)
+        else:  # rank 0 hosts it; it does not wait for the others here (we do, below)
+            store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
+                                  is_master=launch.rank == 0, timeout=timeout,
+                                  wait_for_workers=False, multi_tenant=True)
+    except (RuntimeError, TimeoutError) as e:  # DistStoreError/DistNetworkError subclass these
+        raise JoinError(
+            f"rank {launch.rank} (WORLD_SIZE={launch.world_size}) could not reach the "
+            f"rendezvous store at {launch.master_addr}:{launch.master_port} within "
+            f"{timeout.total_seconds():g} s: is rank 0 running with the same MASTER_ADDR/"
+            f"MASTER_PORT? ({e})") from e
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"shardfn/join/{restart}/{_JOINS[0]}"
+    _JOINS[0] += 1
+    seen: dict[int, tuple[int, int]] = {}  # join index -> (RANK, WORLD_SIZE)
+    try:
+        index = store.add(f"{prefix}/count", 1)
+        store.set(f"{prefix}/{index}", f"{launch.rank} {launch.world_size}")
+        while True:
+            count = store.add(f"{prefix}/count", 0)
+            for i in range(1, count + 1):
+                if i not in seen and store.check([f"{prefix}/{i}"]):
+                    rank, size = store.get(f"{prefix}/{i}").decode().split()
+                    seen[i] = (int(rank), int(size))
+            problem = _disagreement(launch, sorted(seen.values()), count)
+            if problem:
+                raise JoinError(problem)
+            if count == len(seen) == launch.world_size:
+                return store
+            if time.monotonic() > deadline:
+                raise JoinError(_missing(launch, sorted(seen.values()), timeout))
+            time.sleep(0.02)
+    except JoinError:
+        raise
+    except (RuntimeError, TimeoutError) as e:  # the host of the store left (rank 0 failed)
+        joined = sorted(seen.values())
+        missing = sorted(set(range(launch.world_size)) - {rank for rank, _ in joined})
+        raise JoinError(
+            f"rank {launch.rank} (WORLD_SIZE={launch.world_size}) lost the rendezvous store "
+            f"at {launch.master_addr}:{launch.master_port} while the ranks joined (rank 0 "
+            f"hosts it: its error says why it left); seen so far: {_values(joined)}; never "
+            f"joined: RANK {missing}") from e
+
+
+def _values(seen: list[tuple[int, int]]) -> str:
+    return ", ".join(f"RANK={rank} WORLD_SIZE={size}" for rank, size in seen)
+
+
+def _disagreement(launch: LaunchEnv, seen: list[tuple[int, int]], count: int) -> str | None:
+    """Why the ranks seen so far cannot form this rank's world, or None."""
+    sizes = sorted({size for _, size in seen})
+    ranks = [rank for rank, _ in seen]
+    if len(sizes) > 1:
+        return (f"the launched processes disagree on WORLD_SIZE: seen {_values(seen)} "
+                f"(this is RANK={launch.rank}); every process of one job needs the same "
+                f"WORLD_SIZE (torchrun sets it; check what the script or launcher changes)")
+    duplicates = sorted({rank for rank in ranks if ranks.count(rank) > 1})
+    if duplicates or count > launch.world_size:
+        return (f"more processes joined than WORLD_SIZE={launch.world_size} allows, or two "
+                f"share a RANK (RANK {duplicates}): seen {_values(seen)}; every process "
+                f"needs its own RANK in 0..WORLD_SIZE-1")
+    return None
+
+
+def _missing(launch: LaunchEnv, seen: list[tuple[int, int]], timeout: timedelta) -> str:
+    missing = sorted(set(range(launch.world_size)) - {rank for rank, _ in seen})
+    return (f"only {len(seen)} of WORLD_SIZE={launch.world_size} processes joined within "
+            f"{timeout.total_seconds():g} s (initialize(join_timeout=...)); seen "
+            f"{_values(seen)}; never joined: RANK {missing}. Start every rank, with the same "
+            f"WORLD_SIZE, MASTER_ADDR and MASTER_PORT")

@@ -336,6 +336,9 @@ def _fake_node(monkeypatch, gpus: int, env: dict[str, str]):
         raise _Joined
 
     monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    # no rank 0 to join here: initialize() gets a store that agreed at once
+    monkeypatch.setattr(sf.distributed, "join_world",
+                        lambda launch, timeout: torch.distributed.HashStore())
     for name in LAUNCH_VARS:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
@@ -347,8 +350,9 @@ def test_nccl_with_one_gpu_per_local_rank(monkeypatch):
     calls = _fake_node(monkeypatch, gpus=2, env=BASE_ENV)
     with pytest.raises(_Joined):
         sf.distributed.initialize(timeout=30)
+    assert isinstance(calls.pop("store"), torch.distributed.HashStore)  # joined first
     assert calls == dict(set_device=torch.device("cuda", 1), backend="nccl",
-                         init_method="env://", rank=1, world_size=2,
+                         rank=1, world_size=2,
                          timeout=timedelta(seconds=30), device_id=torch.device("cuda", 1))
 
 

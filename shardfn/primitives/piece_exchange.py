@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from shardfn.primitives import stats
 from shardfn.primitives._comm import Axis
+from shardfn.primitives._group_errors import require_group
 from shardfn.primitives._poster import Posting, submit
 
 __all__ = [
@@ -165,6 +166,7 @@ def start_reduce_scatter(plan: BucketPlan, flats: Sequence[torch.Tensor], ax: Ax
     Returns:
         The :class:`Exchange` in flight.
     """
+    require_group(lambda: ax.describe(what), ax.size, ax.ranks[ax.index])
     ops = []  # receives first: on gloo that is about 20% faster than sends first
     mine = plan.blocks[ax.index]
     received: list[list[torch.Tensor]] = [[] for _ in mine]
@@ -242,6 +244,7 @@ def start_all_gather(plan: BucketPlan, own: Sequence[torch.Tensor],
     Returns:
         The :class:`Exchange` in flight; the destination pieces are valid after ``wait()``.
     """
+    require_group(lambda: ax.describe(what), ax.size, ax.ranks[ax.index])
     ops = []  # receives first (see start_reduce_scatter)
     for j in range(ax.size):
         if j == ax.index:

@@ -31,6 +31,8 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterator
 
+from shardfn.primitives._group_errors import translate
+
 __all__ = [
     "CommStats",
     "collective_failures",
@@ -129,8 +131,11 @@ def collective_scope(description: str) -> Iterator[None]:
     _PROGRESS[0] += 1
     try:
         yield
-    except BaseException:
+    except BaseException as error:
         _FAILURES[0] += 1
+        clear = translate(error, description)  # a destroyed or departed group: say so
+        if clear is not None:
+            raise clear from error
         raise
     finally:
         _IN_FLIGHT.pop()

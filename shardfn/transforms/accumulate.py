@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from shardfn import pytree
+from shardfn.primitives.reduced import carry_marks, marks_of
 
 __all__ = ["accumulate_grads", "split_batch"]
 
@@ -67,11 +68,15 @@ def accumulate_grads(grad_fn: Callable, num_micro_batches: int) -> Callable:
         raise ValueError(f"num_micro_batches must be an int >= 1, got {num_micro_batches!r}")
 
     def fn(params, batch, *rest):
-        total = None
+        total, marks = None, []
         for micro in split_batch(batch, num_micro_batches):
             out = grad_fn(params, micro, *rest)
+            if total is None:  # gradients already reduced (shard_params') stay marked so
+                marks = marks_of(pytree.tree_leaves(out))
             total = out if total is None else pytree.tree_map(torch.add, total, out)
             del out  # only the running sum stays alive between micro-batches
-        return pytree.tree_map(lambda t: t / num_micro_batches, total)
+        mean = pytree.tree_map(lambda t: t / num_micro_batches, total)
+        carry_marks(marks, pytree.tree_leaves(mean))  # (a second reduction refuses them)
+        return mean
 
     return fn

@@ -21,6 +21,11 @@ The messages read and write the gradient tensors themselves: no flat copy is
 made. On gloo this is as fast as ``dist.all_reduce`` on a flat buffer, without
 the two copies that buffer costs.
 
+Gradients that are already reduced over the axis are refused with a ``ValueError``
+naming the leaf: ``sf.shard_params``' gradients are this rank's shard of the mean over
+its axis, and averaging them again would mix different ranks' shards (see
+:mod:`shardfn.primitives.reduced`; no cost while no such gradient exists).
+
 Communication per step: ``2 Psi (N-1)/N`` bytes per rank (recorded as one
 ``psum`` per bucket). Memory: the gradients only (in place), plus the received
 values of the buckets in flight (``(N-1)/N`` of a bucket each).
@@ -58,6 +63,7 @@ from shardfn.primitives.piece_exchange import (
     start_all_gather,
     start_reduce_scatter,
 )
+from shardfn.primitives.reduced import check_not_reduced
 from shardfn.transforms.precision import Precision
 
 __all__ = ["DataParallel", "data_parallel"]
@@ -141,6 +147,9 @@ def data_parallel(mesh: Mesh, axis: AxisName = "dp", *, bucket_bytes: int = DEFA
         if weight is not None and not average:
             raise ValueError("reduce_grads(weight=...) gives a weighted mean; it needs "
                              "data_parallel(..., average=True)")
+        # shard_params' gradients are reduced over its axis already (at every size)
+        check_not_reduced("data_parallel.reduce_grads", leaves,
+                          lambda: pytree.tree_paths(grads), ax)
         if ax.size == 1:
             if weight is not None:  # validated here too: the same errors at every size
                 weight_share(weight, ax, _device_of(leaves))
@@ -286,6 +295,9 @@ class _Overlap(GradHooks):
         self.schedule.arrived(i)
 
     def _launch(self, b: int) -> None:
+        members = self.members[b]  # shard_params' .grad is reduced already: refused
+        check_not_reduced("data_parallel.overlap", [self.leaves[i].grad for i in members],
+                          lambda: [self.names[i] for i in members], self.ax)
         for i in self.members[b]:
             grad = self.leaves[i].grad
             if (self.ax.size > 1 and self.reduce_dtype not in (None, grad.dtype)

@@ -84,9 +84,15 @@ def _scale(loss: torch.Tensor, state: ScaleState) -> torch.Tensor:
 
 def _unscale(grads, state: ScaleState):
     inv = 1.0 / state.scale.to(torch.float32)
-    # non-floating leaves (integer buffers) are frozen: they stay as they are
-    return pytree.tree_map(lambda g: g.to(torch.float32) * inv if g.is_floating_point() else g,
-                           grads)
+
+    def unscale(g: torch.Tensor) -> torch.Tensor:
+        if g.is_floating_point():
+            return g.to(torch.float32) * inv
+        if g.is_complex():  # at least complex64 (the float32 of a complex leaf)
+            return g.to(torch.promote_types(g.dtype, torch.complex64)) * inv
+        return g  # non-floating leaves (integer buffers) are frozen: they stay as they are
+
+    return pytree.tree_map(unscale, grads)
 
 
 def dynamic_loss_scale(init_scale: float = 2.0**16, growth_factor: float = 2.0,
@@ -162,7 +168,9 @@ def all_finite(tree, axes: AxisName | tuple[()] = (), *, mesh: Mesh | None = Non
         >>> all_finite({"w": torch.tensor([1.0, float("inf")])})
         False
     """
-    leaves = [x for x in pytree.tree_leaves(tree) if x.is_floating_point()]
+    # complex leaves too: torch.isfinite is False where the real or imaginary part is inf/nan
+    leaves = [x for x in pytree.tree_leaves(tree)
+              if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())]
     bad = torch.zeros((), dtype=torch.float32)
     for leaf in leaves:
         bad = bad + (~torch.isfinite(leaf)).sum().to(torch.float32).cpu()

@@ -78,6 +78,7 @@ from shardfn.optim.donation import donated
 from shardfn.primitives import _comm, consistency
 from shardfn.primitives.buckets import DEFAULT_BUCKET_BYTES
 from shardfn.primitives.flat import FlatPartition, weight_share
+from shardfn.primitives.reduced import check_not_reduced
 from shardfn.transforms._opt_state_exchange import (
     ReducedGrads,
     ZeroOverlap,
@@ -202,6 +203,7 @@ def shard_opt_state(opt: GradientTransformation, mesh: Mesh, axis: AxisName = "d
     def local_grad_leaves(grads, params, part: FlatPartition, weight) -> list[torch.Tensor]:
         pytree.tree_map(lambda g, p: None, grads, params)  # structure check, names leaves
         param_leaves, grad_leaves = pytree.tree_leaves(params), pytree.tree_leaves(grads)
+        check_not_reduced("shard_opt_state", grad_leaves, lambda: pytree.tree_paths(grads), ax)
         part._check(grad_leaves)
         share = None
         if weight is not None:

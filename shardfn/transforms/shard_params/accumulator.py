@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from shardfn.primitives.reduced import mark_reduced
 from shardfn.transforms.shard_params.exchange import Reduction, Tags
 from shardfn.transforms.shard_params.plan import Plan
 
@@ -134,6 +135,7 @@ def reduce_once(mean_fn: Callable, k: int, token: object,
         for name, grad in reduce_accumulated(plan, accumulator, grads).items():
             if name in grads:
                 grads[name] = grads[name] + grad / k
+                mark_reduced((grads[name],), plan.all_ax, "sf.shard_params")
         return grads, loss
 
     return fn

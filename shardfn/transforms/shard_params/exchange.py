@@ -56,6 +56,7 @@ from shardfn.primitives.piece_exchange import (
     start_reduce_scatter,
 )
 from shardfn.primitives.reduce_scaling import divide_factors
+from shardfn.primitives.reduced import mark_reduced
 from shardfn.primitives.tags import UNITS
 from shardfn.transforms.shard_params.placement import Placement
 from shardfn.transforms.shard_params.plan import Flat, Plan, Unit
@@ -318,6 +319,8 @@ class Reduction:
             scaled = (reduced / post if post != 1.0 else reduced) if plan.grad_reduce == "mean" \
                 else (reduced * pre if pre != 1.0 else reduced)
             out[name] = place.to_storage(scaled)
+        # a second reduction over this axis (data_parallel, shard_opt_state) is refused
+        mark_reduced(out.values(), plan.all_ax, "sf.shard_params")
         return out
 
 
