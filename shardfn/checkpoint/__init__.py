@@ -26,6 +26,7 @@ from shardfn.checkpoint.errors import (
 from shardfn.checkpoint.export import (
     export_state_dict,
     import_state_dict,
+    non_persistent_buffers,
     optimizer_from_torch,
     optimizer_to_torch,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "import_state_dict",
     "latest",
     "load",
+    "non_persistent_buffers",
     "optimizer_from_torch",
     "optimizer_to_torch",
     "release_staging",

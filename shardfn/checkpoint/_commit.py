@@ -32,8 +32,9 @@ except ImportError:  # pragma: no cover - a dependency; zlib's (same values) wit
 
 from shardfn.checkpoint.errors import CorruptCheckpointError, IncompleteCheckpointError
 
-__all__ = ["MARKER", "check_digest", "check_sizes", "commit", "crc32", "file_digest", "latest",
-           "own_files", "read_manifest", "retain", "step_path", "verify_files"]
+__all__ = ["MARKER", "check_digest", "check_manifest", "check_sizes", "commit", "crc32",
+           "file_digest", "latest", "own_files", "read_manifest", "remove_partial", "retain",
+           "step_path", "verify_files"]
 
 MARKER = ".shardfn_commit"
 FORMAT = "shardfn.checkpoint"
@@ -74,12 +75,17 @@ def _fsync_dir(path: str | os.PathLike) -> None:
 
 
 def commit(tmp: str, final: str, files: dict[str, tuple[int, int]], info: dict[str, Any],
-           overwrite: bool) -> None:
-    """Write the marker into ``tmp``, then rename ``tmp`` to ``final`` (rank 0 only)."""
+           overwrite: bool, file_mode: int | None = None) -> None:
+    """Write the marker into ``tmp``, then rename ``tmp`` to ``final`` (rank 0 only); the
+    marker gets ``file_mode`` (None: the umask decides)."""
     manifest = {"format": FORMAT, "version": VERSION, "time": time.time(), **info,
                 "files": {name: list(files[name]) for name in sorted(files)}}
     marker_tmp = Path(tmp) / (MARKER + ".tmp")
-    with open(marker_tmp, "w") as f:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    fd = os.open(marker_tmp, flags, 0o666 if file_mode is None else file_mode)
+    if file_mode is not None:
+        os.fchmod(fd, file_mode)
+    with open(fd, "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
@@ -116,13 +122,41 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
             f"so it cannot be loaded. Newest complete checkpoint there: {newest}")
     try:
         manifest = json.loads(marker.read_text())
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:
         raise CorruptCheckpointError(f"checkpoint {str(path)!r}: its commit marker {MARKER} "
                                      f"cannot be read: {err}") from err
-    if manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CorruptCheckpointError(f"checkpoint {str(path)!r}: {MARKER} is not a shardfn "
                                      "manifest")
+    check_manifest(manifest, f"checkpoint {str(path)!r}: its commit marker {MARKER!r}")
     return manifest
+
+
+def check_manifest(manifest: dict[str, Any], where: str) -> None:
+    """Check the manifest's fields: ``files`` (plain file names -> ``[size, CRC-32]``,
+    ``.metadata`` among them), ``world_size`` and ``step``.
+
+    Raises:
+        CorruptCheckpointError: naming the marker and the missing or malformed key.
+    """
+    if "files" not in manifest:
+        raise CorruptCheckpointError(f"{where} has no 'files' key (the list of the "
+                                     "checkpoint's files with their sizes and checksums)")
+    files = manifest["files"]
+    if not isinstance(files, dict) or ".metadata" not in files:
+        raise CorruptCheckpointError(f"{where}: 'files' is not a table of the checkpoint's "
+                                     "files with '.metadata' among them")
+    for name, digest in files.items():
+        if Path(name).name != name or name in ("", ".", "..") or not (
+                isinstance(digest, list) and len(digest) == 2 and
+                all(type(v) is int and v >= 0 for v in digest)):
+            raise CorruptCheckpointError(f"{where}: 'files' entry {name!r}: {digest!r} is not "
+                                         "a file name with [size, CRC-32]")
+    for key, least in (("world_size", 1), ("step", None)):
+        value = manifest.get(key)
+        if value is not None and (type(value) is not int or (least and value < least)):
+            raise CorruptCheckpointError(f"{where}: {key!r} is {value!r}, not an int"
+                                         f"{f' >= {least}' if least else ''}")
 
 
 def check_sizes(path: str | os.PathLike, manifest: dict[str, Any], names: list[str]) -> None:
@@ -189,7 +223,12 @@ def latest(directory: str | os.PathLike) -> str | None:
     return str(steps[-1][1]) if steps else None
 
 
-def retain(directory: str | os.PathLike, keep_last: int, keep: str) -> list[str]:
+def remove_partial(tmp: str | os.PathLike) -> None:
+    """Remove a failed save's temporary directory (every rank calls it; races are fine)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def retain(directory: str | os.PathLike, keep_last: int, keep: str | None) -> list[str]:
     """Remove all but the newest ``keep_last`` complete checkpoints and every partial one
     (``step_*.tmp-*``) except ``keep``'s own; returns what was removed."""
     removed = []

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import (
@@ -54,10 +56,11 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from shardfn.checkpoint import _commit, _hooks
 from shardfn.checkpoint._layout import Entry
+from shardfn.checkpoint._metadata import read_metadata
 from shardfn.checkpoint._plan import global_plans, metadata_of
 
-__all__ = ["Reader", "Staged", "Written", "checkpoint_group", "local_plan", "write_local",
-           "write_metadata"]
+__all__ = ["Reader", "Staged", "Written", "checkpoint_group", "dir_mode", "local_plan",
+           "write_local", "write_metadata"]
 
 
 class Staged(NamedTuple):
@@ -200,9 +203,18 @@ class _HookedFileSystem(FileSystem):
     """DCP's local file system: fires the ``write_file`` test hook before each data file and
     hashes every file as it is written (``digests``: name -> (size, CRC-32))."""
 
-    def __init__(self) -> None:
+    def __init__(self, file_mode: int | None = None) -> None:
         super().__init__()
         self.digests: dict[str, tuple[int, int]] = {}
+        self.file_mode = file_mode
+
+    def mkdir(self, path) -> None:
+        if self.file_mode is None:
+            return super().mkdir(path)
+        made = [p for p in [Path(path), *Path(path).parents] if not p.exists()]
+        super().mkdir(path)
+        for directory in made:  # made with the umask's bits: now the checkpoint's
+            os.chmod(directory, dir_mode(self.file_mode))
 
     @contextlib.contextmanager
     def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
@@ -213,6 +225,10 @@ class _HookedFileSystem(FileSystem):
             return
         if not name.startswith(".metadata"):
             _hooks.fire("write_file", name=name)
+        if self.file_mode is not None:  # made with its mode before a byte is written
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, self.file_mode)
+            os.fchmod(fd, self.file_mode)
+            os.close(fd)
         with super().create_stream(path, mode) as stream:
             hashing = _HashingStream(stream)
             yield hashing
@@ -220,10 +236,16 @@ class _HookedFileSystem(FileSystem):
             self.digests[name] = (hashing.size, hashing.crc)
 
 
-def _writer(path: str, thread_count: int) -> FileSystemWriter:
+def dir_mode(file_mode: int) -> int:
+    """The mode of the directories of a checkpoint whose files have ``file_mode``: the
+    same bits, with search (x) wherever read (r) is allowed (0o600 -> 0o700)."""
+    return file_mode | ((file_mode & 0o444) >> 2)
+
+
+def _writer(path: str, thread_count: int, file_mode: int | None = None) -> FileSystemWriter:
     writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True,
                               thread_count=thread_count, overwrite=False)
-    writer.fs = _HookedFileSystem()
+    writer.fs = _HookedFileSystem(file_mode)
     return writer
 
 
@@ -272,16 +294,18 @@ class Written(NamedTuple):
 
 
 def write_local(planner: _SavePlanner, plans: list[SavePlan], rank: int, path: str,
-                thread_count: int = 1, fast: bool = False) -> Written:
+                thread_count: int = 1, fast: bool = False,
+                file_mode: int | None = None) -> Written:
     """Write this rank's part of a DCP checkpoint into the directory ``path`` (no
     collective): the global plan (dedup of chunks several ranks hold, chunk checks) is
     made from every rank's local plan ``plans`` on each rank (:mod:`._plan`).
 
     Args:
         fast: skip ``torch.save``'s per-record CRC (see :func:`_no_record_crc`).
+        file_mode: the files' permission bits (None: the process's umask decides).
     """
     deduped = global_plans(plans)
-    writer = _writer(path, thread_count)
+    writer = _writer(path, thread_count, file_mode)
     writer.set_up_storage_writer(rank == 0, rank=rank)
     writer.prepare_local_plan(plans[rank])  # makes the directory
     final = planner.finish_plan(writer.prepare_global_plan(deduped)[rank])
@@ -291,10 +315,11 @@ def write_local(planner: _SavePlanner, plans: list[SavePlan], rank: int, path: s
     return Written(deduped, future.value(), dict(writer.fs.digests))
 
 
-def write_metadata(path: str, plans: list[SavePlan], results: list[list]) -> tuple[int, int]:
+def write_metadata(path: str, plans: list[SavePlan], results: list[list],
+                   file_mode: int | None = None) -> tuple[int, int]:
     """Write DCP's ``.metadata`` file for the global ``plans`` (rank 0, once every rank's
     ``results`` are in); returns its ``(size, CRC-32)``, hashed as written."""
-    writer = _writer(path, 1)
+    writer = _writer(path, 1, file_mode)
     writer.set_up_storage_writer(True, rank=0)
     writer.finish(metadata_of(plans), results)
     return writer.fs.digests[".metadata.tmp"]
@@ -310,8 +335,18 @@ class Reader(FileSystemReader):
         self.cached_metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's metadata, unpickled with an allow-list (DCP's own reader runs
+        ``pickle.load``, which would run code a crafted file names; see :mod:`._metadata`)."""
         if args or kwargs:  # another rank's metadata file: not cached
-            return super().read_metadata(*args, **kwargs)
+            return self._read_metadata(kwargs.get("rank"))
         if self.cached_metadata is None:
-            self.cached_metadata = super().read_metadata()
+            self.cached_metadata = self._read_metadata(None)
         return self.cached_metadata
+
+    def _read_metadata(self, rank: int | None) -> Metadata:
+        file = Path(self._get_metadata_path(rank))
+        metadata = read_metadata(file.parent, file.name)
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from torch.futures import Future
 
 from shardfn.checkpoint import _commit
 from shardfn.checkpoint._dcp import Reader, _LoadPlanner, _Target
+from shardfn.checkpoint._metadata import check_coverage
 from shardfn.checkpoint._zipread import plain_tensor
 from shardfn.checkpoint.errors import CorruptCheckpointError
 
@@ -96,7 +98,12 @@ class VerifyingReader(Reader):
         crc, pos = 0, 0
         try:
             with open(Path(self.path) / name, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
                 for (offset, length), items in sorted(stored.items()):
+                    if offset + length > size:  # before allocating for it
+                        raise CorruptCheckpointError(
+                            f"checkpoint {str(self.path)!r}: file {name!r} is truncated: "
+                            f"{size} bytes, an item ends at {offset + length}")
                     if verify and offset >= pos:
                         gap = f.read(offset - pos)
                         crc, pos = _commit.crc32(gap, crc), pos + len(gap)
@@ -116,9 +123,11 @@ class VerifyingReader(Reader):
                     crc, pos = _commit.crc32(block, crc), pos + len(block)
         except CorruptCheckpointError:
             raise
-        except Exception:
+        except Exception as err:  # noqa: BLE001 - any failure to read or parse the file
             self._check_whole(name)  # a corrupted file: say so, naming it
-            raise
+            raise CorruptCheckpointError(
+                f"checkpoint {str(self.path)!r}: file {name!r} cannot be read or does not "
+                f"hold what the metadata says: {type(err).__name__}: {err}") from err
         if verify:
             _commit.check_digest(self.path, name, self.manifest, (pos, crc))
         elif name in self.verify:
@@ -140,9 +149,11 @@ def _load_item(data: memoryview, items: list[ReadItem], planner) -> None:
                                                   strict=True)):
             part = part.narrow(dim, start, length)
         target = planner.resolve_tensor(item).detach()
-        if target.size() != part.size():
-            raise CorruptCheckpointError(f"stored chunk {item.storage_index} has shape "
-                                         f"{tuple(part.size())}, expected {tuple(target.size())}")
+        if target.size() != part.size() or target.dtype != part.dtype:
+            raise CorruptCheckpointError(
+                f"stored chunk {item.storage_index.fqn!r} at {tuple(item.storage_offsets)} "
+                f"is {part.dtype} of shape {tuple(part.size())}, expected {target.dtype} of "
+                f"shape {tuple(target.size())}")
         target.copy_(part)
         planner.commit_tensor(item, target)
 
@@ -154,7 +165,28 @@ def read_plan(targets: dict[str, _Target], reader: VerifyingReader, rank: int
     planner = _LoadPlanner()
     planner.set_up_planner(targets, metadata, rank == 0)
     reader.set_up_storage_reader(metadata, rank == 0)
-    return planner, reader.prepare_local_plan(planner.create_local_plan())
+    plan = reader.prepare_local_plan(planner.create_local_plan())
+    _check_items(plan, targets, reader)
+    return planner, plan
+
+
+def _check_items(plan: LoadPlan, targets: dict[str, _Target], reader: VerifyingReader) -> None:
+    """Every item the plan reads has a stored place, in a file the manifest lists (when
+    verifying), and the stored chunks tile this rank's chunks exactly."""
+    where = f"checkpoint {str(reader.path)!r}: file '.metadata'"
+    files = None if reader.manifest is None else reader.manifest["files"]
+    for item in plan.items:
+        info = reader.storage_data.get(item.storage_index)
+        if info is None:
+            raise CorruptCheckpointError(f"{where} says where {item.storage_index.fqn!r} is "
+                                         "stored for none of its chunks read here")
+        if files is not None and info.relative_path not in files:
+            raise CorruptCheckpointError(f"{where} stores {item.storage_index.fqn!r} in "
+                                         f"{info.relative_path!r}, a file the commit marker "
+                                         "does not list")
+    sizes = {(key, tuple(c.offsets)): tuple(c.sizes) for key, target in targets.items()
+             if target.entry.tensor for c in target.entry.chunks}
+    check_coverage([i for i in plan.items if i.type != LoadItemType.BYTE_IO], sizes, where)
 
 
 def file_bytes(plan: LoadPlan, reader: VerifyingReader) -> dict[str, int]:

@@ -3,10 +3,14 @@
 * :func:`export_state_dict` writes full parameters (``sf.gather(params,
   model.specs, mesh)``) as a ``module.state_dict()``-compatible file,
   safetensors or ``torch.save``, that plain PyTorch loads into the original
-  ``nn.Module`` (``module=`` adds the names of tied weights, which a functional
-  model lists once). Written atomically (temporary name, fsync, rename).
+  ``nn.Module`` with ``strict=True`` (``module=`` adds the names of tied weights,
+  which a functional model lists once; ``module=`` or ``model=`` leaves out the
+  non-persistent buffers, which ``state_dict()`` leaves out: Llama's rotary
+  ``inv_freq``, BERT's ``position_ids``). Written atomically (temporary name,
+  fsync, rename).
 * :func:`import_state_dict` reads such a file (or a ``state_dict``) into a
-  sharded run: this rank's shards for a ``ShardedModel`` / ``TensorSplitModel``.
+  sharded run: this rank's shards for a ``ShardedModel`` / ``TensorSplitModel``;
+  non-persistent buffers the file lacks are built as the model's ``init`` builds them.
 * :func:`optimizer_to_torch` / :func:`optimizer_from_torch` convert a full
   (unsharded) Adam/AdamW/SGD state (``AdamState`` / ``SgdState``; for
   ``shard_opt_state`` use ``opt.gather_state`` / ``opt.shard_state``) to and
@@ -30,13 +34,55 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shardfn.functional import FunctionalModel
 from shardfn.mesh import Mesh
 from shardfn.optim.adam import AdamState
 from shardfn.optim.sgd import SgdState
 from shardfn.spec import shard
 
-__all__ = ["export_state_dict", "import_state_dict", "optimizer_from_torch",
-           "optimizer_to_torch"]
+__all__ = ["export_state_dict", "import_state_dict", "non_persistent_buffers",
+           "optimizer_from_torch", "optimizer_to_torch"]
+
+
+def _unsharded(model) -> FunctionalModel | None:
+    """The unsharded functional model under a model's wrappers (None: none found)."""
+    queue, seen = [model], set()
+    while queue:
+        obj = queue.pop(0)
+        if isinstance(obj, FunctionalModel):
+            return obj
+        if obj is None or id(obj) in seen or isinstance(obj, nn.Module) or len(seen) > 64:
+            continue
+        seen.add(id(obj))
+        queue += [getattr(obj, a, None) for a in ("functional", "fmodel", "tp", "inner",
+                                                  "model", "base")]
+    return None
+
+
+def non_persistent_buffers(source) -> set[str]:
+    """The names of the non-persistent buffers (those ``state_dict()`` leaves out).
+
+    Args:
+        source: an ``nn.Module``, or a shardfn model (a ``FunctionalModel`` or any
+            transform of one: its skeleton says which buffers are persistent).
+
+    Returns:
+        Their dotted names (empty: none, or ``source`` is neither).
+
+    Example:
+        >>> sorted(non_persistent_buffers(sf.functional(llama)))
+        ['model.rotary_emb.inv_freq']
+    """
+    if not isinstance(source, nn.Module):
+        fmodel = _unsharded(source)
+        source = getattr(fmodel if fmodel is not None else source, "module", None)
+        if not isinstance(source, nn.Module):
+            return set()
+    out = set()
+    for path, sub in source.named_modules(remove_duplicate=False):
+        for name in getattr(sub, "_non_persistent_buffers_set", ()):
+            out.add(f"{path}.{name}" if path else name)
+    return out
 
 
 def _aliases(full: Mapping[str, torch.Tensor], module: nn.Module | None) -> dict[str, str]:
@@ -56,14 +102,23 @@ def _aliases(full: Mapping[str, torch.Tensor], module: nn.Module | None) -> dict
 
 
 def export_state_dict(path: str | os.PathLike, full_params: Mapping[str, torch.Tensor],
-                      format: str = "safetensors", *, module: nn.Module | None = None) -> str:
+                      format: str = "safetensors", *, module: nn.Module | None = None,
+                      model=None) -> str:
     """Write full parameters as a ``module.state_dict()``-compatible file (call on one rank).
+
+    Like ``module.state_dict()`` it holds the parameters and the persistent buffers:
+    the non-persistent buffers that ``full_params`` holds (Llama's rotary ``inv_freq``,
+    BERT's ``position_ids``) are left out when ``module`` or ``model`` says which they
+    are, so ``module.load_state_dict(..., strict=True)`` takes the file.
 
     Args:
         path: the file to write.
         full_params: ``name -> full tensor`` (e.g. ``sf.gather(params, model.specs, mesh)``).
         format: ``"safetensors"`` or ``"torch"`` (``torch.save``).
-        module: the original module: adds the state_dict names of tied weights.
+        module: the original module: adds the state_dict names of tied weights and
+            leaves out its non-persistent buffers.
+        model: the shardfn model ``full_params`` come from (any transform of
+            ``sf.functional(module)``): leaves out the non-persistent buffers.
 
     Returns:
         The path written.
@@ -74,7 +129,9 @@ def export_state_dict(path: str | os.PathLike, full_params: Mapping[str, torch.T
     if format not in ("safetensors", "torch"):
         raise ValueError(f"export_state_dict: format is 'safetensors' or 'torch', got "
                          f"{format!r}")
-    tensors = {k: v.detach().cpu().contiguous() for k, v in full_params.items()}
+    dropped = non_persistent_buffers(module) | non_persistent_buffers(model)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in full_params.items()
+               if k not in dropped}
     for alias, name in _aliases(tensors, module).items():
         tensors[alias] = tensors[name]
     tmp = Path(f"{path}.tmp-{os.getpid()}")
@@ -113,14 +170,18 @@ def import_state_dict(source, model=None, mesh: Mesh | None = None) -> dict[str,
         source: the dict or the file's path.
         model: a sharded model (``ShardedModel``, ``TensorSplitModel``): return this
             rank's shards of its parameters (names the model does not have, such as a
-            tied weight's second name, are dropped); None: the full dict.
+            tied weight's second name, are dropped); None: the full dict. Its
+            non-persistent buffers, which ``module.state_dict()`` leaves out, are taken
+            from ``source`` when it has them, else built as the model's ``init`` builds
+            them (from the module's own values or initialisation; no random draw).
         mesh: for a model that is neither (a ``.specs`` of Layouts): the mesh.
 
     Returns:
         ``name -> tensor``: full, or this rank's shards.
 
     Raises:
-        ValueError: naming the parameters the model has and the state_dict lacks.
+        ValueError: naming the parameters and persistent buffers the model has and the
+            state_dict lacks.
 
     Example:
         >>> params = sf.checkpoint.import_state_dict("m.safetensors", model)
@@ -129,15 +190,33 @@ def import_state_dict(source, model=None, mesh: Mesh | None = None) -> dict[str,
     if model is None:
         return full
     names = tuple(getattr(model, "names", None) or model.specs)
-    missing = [n for n in names if n not in full]
+    optional = non_persistent_buffers(model)
+    missing = [n for n in names if n not in full and n not in optional]
     if missing:
         raise ValueError(f"import_state_dict: the state_dict lacks {missing}")
+    full = {**_built(model, [n for n in names if n not in full]), **full}
     full = {n: full[n] for n in names}
     if hasattr(model, "shard_params_tree"):
         return model.shard_params_tree(full)
     if hasattr(model, "shard"):
         return model.shard(full)
+    if isinstance(model, FunctionalModel) and not hasattr(model, "specs"):
+        return full  # unsharded
     return shard(full, model.specs, mesh)
+
+
+def _built(model, names: list[str]) -> dict[str, torch.Tensor]:
+    """The full values of the non-persistent buffers ``names`` as the unsharded model's
+    ``init`` builds them (only their owners' leaves are built)."""
+    if not names:
+        return {}
+    fmodel = _unsharded(model)
+    if fmodel is None:
+        raise ValueError(f"import_state_dict: the state_dict lacks the non-persistent "
+                         f"buffers {names}, and {type(model).__name__} has no functional "
+                         "model to build them from: add them to the state_dict")
+    built = fmodel.init_subset(0, sorted({fmodel.owners[n] for n in names}))
+    return {n: built[n] for n in names}
 
 
 def _order(torch_opt: torch.optim.Optimizer, names: Sequence[str]) -> list[str]:

@@ -11,11 +11,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import math
 import os
 import queue
+import shutil
 import threading
 import uuid
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +186,8 @@ def _check_replicated(digests: list[dict[str, int]]) -> None:
 
 def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
          step: int | None = None, *, keep_last: int | None = None, async_: bool = False,
-         overwrite: bool = False, thread_count: int = 1) -> str | SaveHandle:
+         overwrite: bool = False, thread_count: int = 1,
+         mode: int | None = None) -> str | SaveHandle:
     """Save ``state`` (any pytree) as a sharded DCP checkpoint; every rank calls it.
 
     Each rank writes only its own shards (replicated leaves once, by one rank), in
@@ -208,12 +214,20 @@ def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
             :func:`~shardfn.checkpoint.release_staging`).
         overwrite: replace an existing checkpoint of the same name.
         thread_count: writer threads (files) per rank.
+        mode: the permission bits of the checkpoint's files, e.g. ``0o600`` (owner only);
+            its directories get the same bits plus search where read is allowed
+            (``0o700``). Files are created with it, before any byte is written. Default
+            None: the process's umask decides, as for any file (umask 022: files 0644 and
+            directories 0755, readable by every user of the machine). Must allow the
+            owner to read and write (``mode & 0o600 == 0o600``).
 
     Returns:
         The checkpoint's path, or a :class:`SaveHandle` with ``async_``.
 
     Raises:
-        CheckpointError: on every rank when any rank fails (names the rank and why);
+        CheckpointError: on every rank when any rank fails (names the rank and why; a
+            full disk: ENOSPC and the path). Every rank then removes the failed save's
+            temporary directory, so the space is free again for the next save.
             ValueError / TypeError naming the leaf for a layout that does not fit.
 
     Example:
@@ -224,6 +238,7 @@ def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
     if keep_last is not None and (step is None or int(keep_last) < 1):
         raise ValueError("save: keep_last=k needs step= (a directory of step_* checkpoints) "
                          "and k >= 1")
+    _check_mode(mode)
     final = _commit.step_path(path, step) if step is not None else str(path)
     group = checkpoint_group()
     rank, world = _world(group)
@@ -250,16 +265,24 @@ def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
             if rank == 0 and os.path.exists(final) and not overwrite:
                 raise FileExistsError(f"checkpoint {final!r} already exists (overwrite=True "
                                       "replaces it)")
+            if rank == 0 and keep_last:  # a killed save's leftovers: free their space first
+                for partial in Path(path).glob("step_*.tmp-*"):
+                    _commit.remove_partial(partial)
         if checked.error is not None and outcome.error is None:
             outcome.error = checked.error
         planner, plan, digests = prepared
         outcome.payload = (digests, outcome.payload, plan)
         payloads = agree(group, outcome, f"checkpoint save to {final!r} (staging)")
         _check_replicated([p[0] for p in payloads])
-        return _write_and_commit(planner, [p[2] for p in payloads],
-                                 f"{final}.tmp-{payloads[0][1]}", final, group, info,
-                                 overwrite, (str(path), keep_last) if keep_last else None,
-                                 thread_count, not async_)
+        tmp = f"{final}.tmp-{payloads[0][1]}"
+        try:
+            return _write_and_commit(planner, [p[2] for p in payloads], tmp, final, group,
+                                     info, overwrite,
+                                     (str(path), keep_last) if keep_last else None,
+                                     (thread_count, not async_, mode))
+        except BaseException:
+            _commit.remove_partial(tmp)  # every rank: this save's files go, on any disk
+            raise
 
     if not async_:
         return write()
@@ -268,15 +291,71 @@ def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
     return handle
 
 
+def _check_mode(mode: int | None) -> None:
+    if mode is not None and (type(mode) is not int or not 0 <= mode <= 0o777 or
+                             mode & 0o600 != 0o600):
+        raise ValueError(f"save: mode is the files' permission bits, from 0o600 (owner only) "
+                         f"to 0o777, with owner read and write; got {mode!r}")
+
+
+def _bytes_planned(plan) -> int:
+    return sum(math.prod(i.tensor_data.chunk.sizes) * i.tensor_data.properties.dtype.itemsize
+               for i in plan.items if i.tensor_data is not None)
+
+
+def _errno_of(err: BaseException | None) -> int | None:
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno is not None:
+            return err.errno
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _free_bytes(path: str) -> int | None:
+    """Free bytes on the file system of ``path`` (or of its nearest existing parent)."""
+    for place in (Path(path), *Path(path).parents):
+        if place.exists():
+            try:
+                return shutil.disk_usage(place).free
+            except OSError:
+                return None
+    return None
+
+
+@contextlib.contextmanager
+def _explained(directory: str, rank: int, need: int) -> Iterator[None]:
+    """Re-raise a failure to write into ``directory`` as a CheckpointError naming the rank
+    and the path, and ENOSPC when the disk is full (torch.save's writer reports a full
+    disk as a bare ``RuntimeError: [enforce fail at inline_container.cc]``)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - explained, then raised
+        code, free = _errno_of(err), _free_bytes(directory)
+        known = code in (errno.ENOSPC, errno.EDQUOT)
+        inferred = code is None and free is not None and free < max(need, 1 << 16)
+        why = (f"no space left on device ({errno.errorcode[code] if known else 'ENOSPC'}"
+               f"{', inferred from the free space' if inferred else ''}): {free} bytes free "
+               f"on the file system of {directory!r}, this rank writes {need}; "
+               if known or inferred else "")
+        raise CheckpointError(f"rank {rank} could not write {directory!r}: {why}"
+                              f"{type(err).__name__}: {err}") from err
+
+
 def _write_and_commit(planner, plans: list, tmp: str, final: str, group,
-                      info: dict[str, Any], overwrite: bool, retention, thread_count: int,
-                      fast: bool) -> str:
+                      info: dict[str, Any], overwrite: bool, retention,
+                      how: tuple[int, bool, int | None]) -> str:
     """Write this rank's files (the ranks' local ``plans`` are known to all: DCP's
     global plan is made on each rank), agree, then rank 0 writes DCP's ``.metadata``
-    from every rank's write results, the commit marker, and renames; agree again."""
+    from every rank's write results, the commit marker, and renames; agree again.
+    ``how``: (writer threads, skip torch.save's record CRCs, the files' mode)."""
     rank, _ = _world(group)
-    with local() as outcome:
-        written = write_local(planner, plans, rank, tmp, thread_count, fast)
+    thread_count, fast, mode = how
+    with local() as outcome, _explained(tmp, rank, _bytes_planned(plans[rank])):
+        written = write_local(planner, plans, rank, tmp, thread_count, fast, mode)
         _hooks.fire("before_commit", rank=rank)
         outcome.payload = ({name: written.digests[name] if name in written.digests else
                             _commit.file_digest(Path(tmp) / name)
@@ -286,11 +365,12 @@ def _write_and_commit(planner, plans: list, tmp: str, final: str, group,
     parts = agree(group, outcome, f"checkpoint save to {tmp!r} (writing)")
     for digests, _ in parts:
         files.update(digests)
-    with local() as outcome:
+    with local() as outcome, _explained(tmp, rank, 1 << 16):
         if rank == 0:
-            files[".metadata"] = write_metadata(tmp, written.plans, [r for _, r in parts])
+            files[".metadata"] = write_metadata(tmp, written.plans, [r for _, r in parts],
+                                                mode)
             _hooks.fire("commit", rank=rank)
-            _commit.commit(tmp, final, files, info, overwrite)
+            _commit.commit(tmp, final, files, info, overwrite, mode)
             if retention is not None:
                 _commit.retain(retention[0], retention[1], keep=tmp)
     agree(group, outcome, f"checkpoint commit of {final!r}")

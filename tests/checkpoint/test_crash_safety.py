@@ -55,15 +55,23 @@ def _failing_save(directory: str, how: str):
     return "no error"
 
 
-def _check_previous_loads_and_partial_is_incomplete(directory: str) -> None:
+def _check_previous_loads_and_partial_is_incomplete(directory: str,
+                                                    partial_left: bool | None) -> None:
     newest = ck.latest(directory)
     assert newest == os.path.join(directory, "step_000001")
     out = ck.load(newest, _like())
     torch.testing.assert_close(out, _state(1))
     assert ck.load(directory, _like())["step"] == 1  # a directory: its newest complete one
     partial = [p for p in os.listdir(directory) if p.startswith("step_000002.tmp-")]
+    killed = partial_left is None  # the others remove it if they see the rank die first
+    partial_left = bool(partial) if killed else partial_left
+    if not partial_left:  # a save that failed (not killed): every rank removed its files
+        assert partial == [], os.listdir(directory)
+        with pytest.raises(ck.IncompleteCheckpointError, match="incomplete"):
+            ck.load(os.path.join(directory, "step_000002"), _like())
+        return
     assert len(partial) == 1, os.listdir(directory)
-    assert sorted(os.listdir(os.path.join(directory, partial[0]))) != []
+    assert killed or sorted(os.listdir(os.path.join(directory, partial[0]))) != []
     with pytest.raises(ck.IncompleteCheckpointError, match="incomplete"):
         ck.load(os.path.join(directory, partial[0]), _like())
     with pytest.raises(ck.IncompleteCheckpointError, match="step_000002.tmp-"):
@@ -76,7 +84,7 @@ def test_hook_raises_between_files_on_one_rank(worlds, tmp_path):
     errors = worlds(2).run(_failing_save, directory, "raise")
     for error in errors:  # both ranks got an error (none hangs), naming the rank and cause
         assert "rank 1" in error and "injected: disk full" in error, error
-    _check_previous_loads_and_partial_is_incomplete(directory)
+    _check_previous_loads_and_partial_is_incomplete(directory, partial_left=False)
     # the next save with keep_last removes the partial one
     worlds(2).run(_save_steps, directory, [3], 5)
     assert sorted(os.listdir(directory)) == ["step_000001", "step_000003"]
@@ -87,7 +95,7 @@ def test_rank_killed_mid_save(worlds, tmp_path):
     worlds(2).run(_save_steps, directory, [1])
     with pytest.raises(RankError, match="rank 1 is dead"):
         worlds(2).run(_failing_save, directory, "kill")
-    _check_previous_loads_and_partial_is_incomplete(directory)
+    _check_previous_loads_and_partial_is_incomplete(directory, partial_left=None)
     assert worlds(2).run(lambda: 1) == [1, 1]  # the world was respawned
 
 
