@@ -12,18 +12,20 @@ Off by default; on by default inside ``sf.testing`` (local world workers);
 ``SHARDFN_CHECK_TIMEOUT=<seconds>`` sets how long a rank waits for the others.
 
 How the exchange works: the fingerprints go through the default process
-group's key-value store (a ``FileStore`` in the local world, a ``TCPStore``
-under ``torchrun``), never through the axis's communicator, so it works the
+group's key-value store (a ``TCPStore``, in the local world as under
+``torchrun``), never through the axis's communicator, so it works the
 same on gloo and NCCL, inside backward passes, and can time out. Each group of
 ranks counts its checked calls; call ``#n`` of rank ``r`` is the key
 ``sfcheck/<epoch>/<group ranks>/<n>/<r>``. A rank that makes an extra or a
 different call therefore disagrees with the others at that number (or, if the
 others never make another checked call there, times out naming it). A key
 holds a digest of the fingerprint (the full fingerprints are exchanged only on
-a mismatch, for the message). A rank deletes its own key of call ``n - 1`` once
-it has read every key of call ``n`` (every peer has then finished reading call
-``n - 1``); a call that timed out is marked "gave up", never deleted, so no
-read can block on a missing key. Comm stats do not count this traffic. What a
+a mismatch, for the message). Once a rank has read every key of call ``n``
+it deletes its own older keys of that group (every peer has then finished
+reading them, also those of an earlier epoch: ranks ``reset`` between runs), so
+the store holds at most one call's keys per group and rank however long the run;
+a call that timed out is marked "gave up", not deleted, so no read can block on
+a missing key. Comm stats do not count this traffic. What a
 key holds and what a mismatch says are in :mod:`shardfn.primitives._fingerprint`.
 See docs/check_mode.md.
 
@@ -41,8 +43,7 @@ import json
 import os
 import threading
 from collections.abc import Iterator, Mapping
-from datetime import timedelta
-from time import monotonic, sleep
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,6 +52,9 @@ import torch.distributed as dist
 from shardfn import pytree as pt
 from shardfn._torch_internals import default_store
 from shardfn.primitives import stats
+from shardfn.primitives._check_store import polls_files as _polls_files  # noqa: F401
+from shardfn.primitives._check_store import read_fresh as _read_fresh
+from shardfn.primitives._check_store import wait_keys as _wait_keys
 from shardfn.primitives._fingerprint import (
     call_text,
     comparable,
@@ -70,6 +74,7 @@ __all__ = [
     "check_call",
     "check_consistency",
     "check_replicated",
+    "check_same",
     "check_timeout",
     "enabled",
     "env_setting",
@@ -84,13 +89,6 @@ __all__ = [
 def _default_store() -> dist.Store:
     """The default process group's key-value store (one name: benchmarks swap it)."""
     return default_store()
-
-
-def _polls_files(store: dist.Store) -> bool:
-    """Whether ``store`` (under any ``PrefixStore``) is a FileStore (its ``wait`` sleeps 10 ms)."""
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return isinstance(store, dist.FileStore)
 
 
 # --- settings -------------------------------------------------------------------------
@@ -135,6 +133,7 @@ _ENABLED: bool = bool(_ENV_FLAG)
 _STATE_LOCK = threading.RLock()  # one check at a time per process: call numbers stay in order
 _SEQ: dict[tuple[int, ...], int] = {}  # group ranks -> checked calls made on that group
 _EPOCH = [0]
+_LIVE: dict[tuple[int, ...], list[str]] = {}  # group ranks -> this rank's keys in the store
 _THREAD = threading.local()  # .suspended: checks skipped on this thread
 _HELPER_THREAD_PREFIX = "shardfn-"  # shardfn's own threads ("shardfn-p2p-poster") never check
 
@@ -243,28 +242,22 @@ def _active(ax: Axis) -> bool:
 # and check whatever the size of the tree.
 
 
-def _wait_keys(store: dist.Store, keys: list[str], timeout_s: float) -> bool:
-    """Wait until every key is set; False after ``timeout_s``.
+def _posted(ranks: tuple[int, ...], key: str) -> None:
+    """Remember that this rank's ``key`` of group ``ranks`` is in the store."""
+    live = _LIVE.setdefault(ranks, [])
+    if key not in live:
+        live.append(key)
 
-    A TCPStore (and other stores) ``wait``: the server wakes the waiter, nothing polls
-    it, and a timed-out wait leaves the client usable (tested). A FileStore's ``wait``
-    sleeps 10 ms between looks: poll ``check`` with a back-off from 20 µs instead.
-    """
-    if not _polls_files(store):
-        try:
-            store.wait(keys, timedelta(seconds=timeout_s))
-            return True
-        except (RuntimeError, dist.DistError):
-            return store.check(keys)
-    deadline = monotonic() + timeout_s
-    pause = 2e-5
-    while not store.check(keys):
-        now = monotonic()
-        if now > deadline:
-            return False
-        sleep(min(pause, deadline - now))
-        pause = min(pause * 2, 2e-3)
-    return True
+
+def _delete_read_keys(store: dist.Store, ranks: tuple[int, ...], keep: str) -> None:
+    """Delete this rank's keys of group ``ranks`` but ``keep``, once every peer posted ``keep``'s
+    call: a peer posts a call only after it read every earlier one, of this epoch or (after
+    ``reset``, which all ranks call between runs) of an earlier epoch. So the store holds at
+    most one call's keys per group and rank, however many calls and runs there were."""
+    for key in _LIVE.get(ranks, []):
+        if key != keep:
+            store.delete_key(key)
+    _LIVE[ranks] = [keep]
 
 
 def _exchange(ax: Axis, fp: dict, label: str) -> tuple[int, list[dict] | None]:
@@ -285,6 +278,7 @@ def _exchange(ax: Axis, fp: dict, label: str) -> tuple[int, list[dict] | None]:
         mine = f"{prefix}{seq}/{rank}"
         keys = [f"{prefix}{seq}/{r}" for r in ax.ranks]
         store.set(mine, json.dumps(summary))
+        _posted(ax.ranks, mine)
         deadline = monotonic() + _TIMEOUT_S
         with stats.collective_scope(f"check mode: waiting for the ranks of axis {ax.key!r} "
                                     f"{list(ax.ranks)} at {label} #{seq + 1}"):
@@ -298,12 +292,12 @@ def _exchange(ax: Axis, fp: dict, label: str) -> tuple[int, list[dict] | None]:
                 store.set(mine, json.dumps({**summary, "gave_up": True}))
             _SEQ[ax.ranks] = seq
             raise ConsistencyError(message)
-        if seq > 0:  # every peer has posted call seq, so none still reads our call seq - 1
-            store.delete_key(f"{prefix}{seq - 1}/{rank}")
+        _delete_read_keys(store, ax.ranks, keep=mine)
         if all(other["digest"] == summary["digest"] for other in summaries):
             return seq, None
         full_keys = [f"{prefix}{seq}/full/{r}" for r in ax.ranks]  # kept: errors are rare
         store.set(full_keys[ax.ranks.index(rank)], json.dumps(fp))
+        _posted(ax.ranks, full_keys[ax.ranks.index(rank)])
         if not _wait_keys(store, full_keys, _TIMEOUT_S):
             rows = [f"  rank {r}: {o['call']} at {o['site']}"
                     for r, o in zip(ax.ranks, summaries, strict=True)]
@@ -311,22 +305,6 @@ def _exchange(ax: Axis, fp: dict, label: str) -> tuple[int, list[dict] | None]:
                 f"check mode: ranks of axis {ax.key!r} (ranks {list(ax.ranks)}) disagree at "
                 f"{label} #{seq + 1} (a rank did not post the details):", *rows]))
         return seq, [json.loads(v) for v in store.multi_get(full_keys)]
-
-
-def _read_fresh(store: dist.Store, keys: list[str], deadline: float) -> list[dict] | None:
-    """Every key's summary once all are posted and none is a call its rank gave up on
-    (that rank's next call will replace it); None at the deadline."""
-    pause = 2e-5
-    while True:
-        if not _wait_keys(store, keys, max(0.0, deadline - monotonic())):
-            return None
-        summaries = [json.loads(v) for v in store.multi_get(keys)]
-        if not any(other.get("gave_up") for other in summaries):
-            return summaries
-        if monotonic() > deadline:
-            return None
-        sleep(pause)
-        pause = min(pause * 2, 2e-3)
 
 
 # --- public checks --------------------------------------------------------------------
@@ -392,3 +370,44 @@ def check_replicated(what: str, ax: Axis, tree: Any) -> None:
     if any(comparable(other) != comparable(fp) for other in fps):
         raise ConsistencyError(mismatch_message(ax, seq, fps, "check"))
     raise ConsistencyError(replicated_message(what, ax, seq, fps))
+
+
+def check_same(what: str, ax: Axis, values: Mapping[str, Any], hint: str = "") -> None:
+    """In check mode, check that named values are the same on every rank of ``ax``.
+
+    One exchange for the whole mapping; a tensor is compared by a hash of its bytes
+    (as :func:`check_replicated`), anything else by ``str``. The error lists each name
+    whose value differs, with every rank's value (``<absent>`` where a rank has none).
+
+    Args:
+        what: what is checked, for the message (``"tensor_split.apply"``).
+        ax: the axis over which the values must agree.
+        values: ``name -> tensor or value`` (``{"plan 'fc1'": "Colwise()", "input x": x}``).
+        hint: appended to the message (what the user should do).
+
+    Raises:
+        ConsistencyError: on every rank of the axis, when a value differs.
+
+    Example:
+        >>> check_same("tensor_split.apply", resolve("tp"), {"input 0": x})
+    """
+    if not _active(ax):
+        return
+    shown = {name: f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)} #{_leaf_hash(v)}"
+             if isinstance(v, torch.Tensor) else str(v) for name, v in values.items()}
+    fp = fingerprint(f"check_same[{what}]", ax, None, {})
+    fp["values"] = shown
+    seq, fps = _exchange(ax, fp, "check")
+    if fps is None:
+        return
+    per_name = {name: [other.get("values", {}).get(name, "<absent>") for other in fps]
+                for other in fps for name in other.get("values", {})}
+    rows = [f"  {name}: " + "; ".join(f"rank {r}: {v}" for r, v in zip(ax.ranks, got, strict=True))
+            for name, got in per_name.items() if len(set(got)) > 1]
+    if not rows:
+        raise ConsistencyError(mismatch_message(ax, seq, fps, "check"))
+    more = [f"  ... and {len(rows) - 8} more"] if len(rows) > 8 else []
+    raise ConsistencyError("\n".join([
+        f"check mode: {what}: ranks of axis {ax.key!r} (ranks {list(ax.ranks)}) disagree at "
+        f"check #{seq + 1} on {len(rows)} value(s) that must be the same on every rank:",
+        *rows[:8], *more, *([f"  {hint}"] if hint else [])]))

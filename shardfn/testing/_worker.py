@@ -8,22 +8,30 @@ A worker joins the gloo group (over loopback only), then runs the cloudpickled
 group_may_be_broken)``. A watchdog thread answers stack requests on a second
 pipe, so the parent can say what a hung rank is doing, and counts the rank's
 progress in shared memory (see :func:`_watchdog`); it also ends the process
-when the parent goes away. A worker's stderr goes to a file the parent reads
-(forwarding it, and quoting its tail when the rank dies); Python's
-``faulthandler`` writes the stacks of a crash to a second file.
+when the parent goes away (and, on Linux, the kernel kills it when the parent
+dies: ``PR_SET_PDEATHSIG``, for a world started from the main thread). A worker's
+stderr goes to a file the parent reads (forwarding it, and quoting its tail when
+the rank dies); Python's ``faulthandler`` writes the stacks of a crash to a
+second file.
+
+The workers are daemonic for the parent (multiprocessing terminates them at its
+exit), but each clears its own daemon flag, so a rank may start processes of its
+own (a ``DataLoader(num_workers=2)``, a nested local world); it kills and reaps
+whatever it started before it exits.
+
+The ranks meet through a ``TCPStore`` that rank 0 serves on loopback, whose port
+they learn from a ``FileStore`` (see :mod:`shardfn.testing._process`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import io
 import multiprocessing
 import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import threading
 import traceback
@@ -37,6 +45,8 @@ from time import monotonic
 from typing import Any, NamedTuple
 
 import cloudpickle
+
+from shardfn.testing import _process
 
 STOP = b"stop"
 _STOP_WAIT_S = 5.0  # how long shutdown waits for a clean exit before killing
@@ -86,14 +96,20 @@ def _main_not_reimported() -> Iterator[None]:
             main.__dict__.update(saved)
 
 
-def spawn(size: int, store_path: str, pg_timeout_s: float, check: bool) -> list[Rank]:
-    """Start ``size`` worker processes (they join the gloo group on their own)."""
+def spawn(size: int, store_path: str, pg_timeout_s: float, check: bool,
+          start_timeout_s: float | None = None) -> list[Rank]:
+    """Start ``size`` worker processes (they join the gloo group on their own, waiting for
+    each other up to ``start_timeout_s``, default ``pg_timeout_s``)."""
     with _main_not_reimported():
-        return _spawn(size, store_path, pg_timeout_s, check)
+        return _spawn(size, store_path, pg_timeout_s, check, start_timeout_s)
 
 
-def _spawn(size: int, store_path: str, pg_timeout_s: float, check: bool) -> list[Rank]:
+def _spawn(size: int, store_path: str, pg_timeout_s: float, check: bool,
+           start_timeout_s: float | None) -> list[Rank]:
     context = multiprocessing.get_context("spawn")
+    # The kernel's parent-death signal follows the thread that forked the child: only a
+    # world started from the main thread (which lives as long as the process) may use it.
+    die_with_parent = threading.current_thread() is threading.main_thread()
     ranks = []
     for rank in range(size):
         cmd, child_cmd = context.Pipe()
@@ -104,7 +120,7 @@ def _spawn(size: int, store_path: str, pg_timeout_s: float, check: bool) -> list
         process = context.Process(
             target=main, name=f"shardfn-rank{rank}", daemon=True,
             args=(rank, size, store_path, pg_timeout_s, check, child_cmd, child_watch, progress,
-                  stderr_path, crash_path),
+                  stderr_path, crash_path, die_with_parent, start_timeout_s),
         )
         process.start()
         child_cmd.close()  # the parent keeps only its own ends, so EOF reaches each side
@@ -219,17 +235,6 @@ def dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def loopback_interface() -> str:
-    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS)."""
-    with contextlib.suppress(OSError):
-        for _, name in socket.if_nameindex():
-            flags = f"/sys/class/net/{name}/flags"
-            with contextlib.suppress(OSError, ValueError), open(flags) as file:
-                if int(file.read(), 16) & 0x8:  # IFF_LOOPBACK
-                    return name
-    return "lo0" if sys.platform == "darwin" else "lo"
-
-
 # --- worker side: one rank's loop and its watchdog -------------------------------------
 
 
@@ -332,16 +337,6 @@ def _distributed_error(error: BaseException, dist: Any) -> bool:
     return False
 
 
-def _redirect_stderr(stderr_path: str, crash_path: str) -> Any:
-    """Point fd 2 at ``stderr_path``; faulthandler's crash stacks go to ``crash_path``."""
-    fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(fd, 2)
-    os.close(fd)
-    crash_file = open(crash_path, "w")  # noqa: SIM115 - faulthandler keeps it for the process
-    faulthandler.enable(file=crash_file, all_threads=True)
-    return crash_file
-
-
 _LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                      "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_PORT")
 
@@ -349,13 +344,17 @@ _LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GR
 def main(
     rank: int, size: int, store_path: str, pg_timeout_s: float, check: bool,
     cmd: Connection, watch: Connection, progress: Any, stderr_path: str, crash_path: str,
+    die_with_parent: bool = False, start_timeout_s: float | None = None,
 ) -> None:
     """Run rank ``rank`` of a ``size``-process world until told to stop or the parent exits."""
-    crash_file = _redirect_stderr(stderr_path, crash_path)  # noqa: F841 - kept open
+    if die_with_parent:
+        _process.die_with_parent()
+    _process.allow_children()
+    crash_file = _process.redirect_stderr(stderr_path, crash_path)  # noqa: F841 - kept open
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     # Everything stays on this host: gloo's device on loopback (not whatever the host
     # name resolves to), and any env:// rendezvous fn might make on 127.0.0.1.
-    os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    os.environ["GLOO_SOCKET_IFNAME"] = _process.loopback_interface()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     # A local world started under torchrun must not look launched by it (sf.Mesh and
     # sf.distributed.initialize read these): this process's world is the local one.
@@ -384,7 +383,9 @@ def main(
         if set_check is not None:
             set_check(check)
         if size > 1:  # a world of one runs with no process group at all
-            store = dist.FileStore(store_path, size)
+            meet = timedelta(seconds=max(pg_timeout_s, start_timeout_s or 0.0))
+            store = _process.rendezvous(dist, rank, size, store_path, meet)
+            store.set_timeout(timedelta(seconds=pg_timeout_s))  # a get once started
             dist.init_process_group(
                 "gloo", store=store, rank=rank, world_size=size,
                 timeout=timedelta(seconds=pg_timeout_s),
@@ -424,6 +425,7 @@ def main(
             payload = cloudpickle.dumps((request_id, "err", traceback.format_exc(), False))
         del reply
         cmd.send_bytes(payload)
+    _process.stop_children()
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()

@@ -23,9 +23,7 @@ import contextlib
 import math
 import numbers
 import os
-import signal
 import tempfile
-import textwrap
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -36,8 +34,12 @@ from typing import Any
 import cloudpickle
 
 from shardfn.testing import _worker
+from shardfn.testing._reports import dead_report as _dead_report
+from shardfn.testing._reports import indent as _indent
+from shardfn.testing._reports import seconds as _seconds
 
-_STARTUP_MIN_S = 60.0  # spawning N torch processes on a busy 2-core machine takes seconds
+DEFAULT_START_TIMEOUT_S = 300.0  # spawning N torch processes on a busy 2-core machine: minutes
+_START_ATTEMPTS = 2  # a start that fails is retried once on fresh processes
 _STACK_WAIT_S = 2.0  # how long to wait for the watchdogs' stack reports
 _PG_TIMEOUT_MARGIN_S = 10.0  # the gloo group's timeout is the world's timeout + this
 _CHECK_OFF = ("", "0", "false", "no", "off")  # as shardfn.primitives.consistency reads it
@@ -76,58 +78,6 @@ class WorldTimeout(RankError, TimeoutError):
         return type(self), (self.rank, self.remote_traceback, str(self), self.ranks)
 
 
-def _exit_text(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "exit code unknown"
-    if exitcode < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by signal {signal.Signals(-exitcode).name}"
-        return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
-
-
-def _indent(text: str) -> str:
-    return textwrap.indent(text.rstrip(), "    ")
-
-
-def _seconds(name: str, value: Any, *, none_ok: bool = False, zero_ok: bool = False) -> Any:
-    """Validate a duration: a finite real number > 0 (>= 0 with ``zero_ok``), or None."""
-    if value is None and none_ok:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number of seconds"
-                        f"{' or None' if none_ok else ''}, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-        bound = ">= 0" if zero_ok else "> 0"
-        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
-    return value
-
-
-_CRASH_NOISE = ("/multiprocessing/", "/threading.py", 'File "<string>"', "Extension modules:",
-                os.sep + "_worker.py")
-
-
-def _crash_stacks(text: str) -> str:
-    """faulthandler's report without the watchdog thread and the spawn/loop frames."""
-    blocks = [block for block in text.strip().split("\n\n") if " in _watchdog" not in block]
-    return "\n".join(line for line in "\n\n".join(blocks).splitlines()
-                     if not any(noise in line for noise in _CRASH_NOISE))
-
-
-def _dead_report(rank: int, exitcode: int | None, stderr: str, crash: str) -> str:
-    """How a dead rank is described: its exit, its stderr tail, faulthandler's stacks."""
-    text = f"rank {rank} is dead ({_exit_text(exitcode)})"
-    if stderr:
-        text += f"; last lines of its stderr:\n{_indent(stderr)}"
-    else:
-        text += "; its stderr is empty"
-    crash = _crash_stacks(crash)
-    if crash:
-        text += f"\n  its Python stacks when it crashed (faulthandler):\n{_indent(crash)}"
-    return text
-
-
 class LocalWorld:
     """A pool of ``size`` CPU processes in a gloo group, started once and reused.
 
@@ -144,10 +94,16 @@ class LocalWorld:
             ``timeout + 10``).
         check: check mode (``shardfn.check_consistency``) in the workers; None: on,
             unless the environment has ``SHARDFN_CHECK=0``. Restored after every run.
+        start_timeout: seconds the ranks get to start and join the group (at creation and
+            at each restart), independent of ``timeout``. A start that fails (a rank
+            raised, died, or had not joined in time) is retried once on fresh processes;
+            if the retry fails too, the world is closed and the error describes both
+            attempts rank by rank.
 
     Raises:
         TypeError / ValueError: for a size that is not an int >= 1, or a duration that
             is not a finite number > 0.
+        RuntimeError: when the world failed to start twice.
 
     Example:
         >>> world = LocalWorld(2)
@@ -158,7 +114,7 @@ class LocalWorld:
 
     def __init__(self, size: int, *, timeout: float = 120.0, deadline: float | None = None,
                  grace: float = 2.0, pg_timeout: float | None = None,
-                 check: bool | None = None):
+                 check: bool | None = None, start_timeout: float = DEFAULT_START_TIMEOUT_S):
         if isinstance(size, bool) or not isinstance(size, numbers.Integral):
             raise TypeError(f"LocalWorld size must be an int >= 1, got {size!r}")
         if size < 1:
@@ -169,6 +125,7 @@ class LocalWorld:
         self.timeout = _seconds("LocalWorld timeout", timeout)
         self.deadline = _seconds("LocalWorld deadline", deadline, none_ok=True)
         self.grace = _seconds("LocalWorld grace", grace, zero_ok=True)
+        self.start_timeout = _seconds("LocalWorld start_timeout", start_timeout)
         self.pg_timeout = (self.timeout + _PG_TIMEOUT_MARGIN_S if pg_timeout is None
                            else _seconds("LocalWorld pg_timeout", pg_timeout))
         if check is None:
@@ -221,7 +178,8 @@ class LocalWorld:
         payload = _worker.dumps((fn, args, kwargs))
         with self._lock:
             if not self._finalizer.alive:
-                raise RuntimeError("this LocalWorld is closed")
+                raise RuntimeError("this LocalWorld is closed (by close(), or after it failed "
+                                   "to start twice); make a new one")
             self._await_ready()
             self._request_id += 1
             message = _worker.request(self._request_id, payload)
@@ -261,27 +219,58 @@ class LocalWorld:
         _worker.kill(self._ranks)
         self._generation += 1
         store_path = os.path.join(self._tmpdir, f"store{self._generation}")
-        self._ranks[:] = _worker.spawn(self.size, store_path, self.pg_timeout, self.check)
+        self._ranks[:] = _worker.spawn(self.size, store_path, self.pg_timeout, self.check,
+                                       start_timeout_s=self.start_timeout)
         self._ready = False
 
     def _await_ready(self) -> None:
-        """Wait until every rank has joined the group; respawn first if one has died."""
+        """Wait until every rank has joined the group; respawn first if one has died.
+
+        A failed start is retried once on fresh processes; after a second failure the
+        world is closed and the error describes each attempt rank by rank.
+        """
         if self._ready and all(rank.process.is_alive() for rank in self._ranks):
             return
         if self._ready:
             self._respawn()
-        limit = max(self.timeout, _STARTUP_MIN_S)
-        replies, pending, _ = self._collect(0, None, limit, 0.0)
-        failed = {r: reply for r, reply in replies.items() if reply[0] != "ready"}
-        if failed or pending:
-            reports = [f"rank {r} had not joined the group yet" for r in pending] + [
-                f"rank {r} raised:\n{_indent(value)}" if kind == "err"
-                else self._dead(r, value) for r, (kind, value, _) in failed.items()
-            ]
-            self._finalizer()
-            raise RuntimeError("LocalWorld failed to start; it is now closed.\n"
-                               + "\n".join(reports))
-        self._ready = True
+        reports = []
+        for attempt in range(_START_ATTEMPTS):
+            if attempt:
+                self._respawn()
+            report = self._start_report()
+            if report is None:
+                self._ready = True
+                return
+            reports.append(f"attempt {attempt + 1}:\n{_indent(report)}")
+        self._finalizer()
+        raise RuntimeError(
+            f"LocalWorld({self.size}) failed to start {_START_ATTEMPTS} times (each attempt "
+            f"had start_timeout={self.start_timeout:g}s for every rank to join the group); it "
+            "is now closed.\n" + "\n".join(reports) + "\nIf the machine is only busy, give "
+            "the start more time: LocalWorld(size, start_timeout=...).")
+
+    def _start_report(self) -> str | None:
+        """Wait for this generation's ranks to join; None if all did, else each rank's state."""
+        started = monotonic()
+        replies, pending, _ = self._collect(0, None, self.start_timeout, 0.0)
+        if not pending and all(reply[0] == "ready" for reply in replies.values()):
+            return None
+        waited = monotonic() - started
+        stacks = self._stacks([r for r in pending if self._ranks[r].process.is_alive()])
+        lines = []
+        for r in range(self.size):
+            kind, value, _ = replies.get(r, ("pending", None, True))
+            if kind == "ready":
+                lines.append(f"rank {r} joined the group")
+            elif kind == "err":
+                lines.append(f"rank {r} raised while starting:\n{_indent(value)}")
+            elif kind == "dead" or not self._ranks[r].process.is_alive():
+                lines.append(self._dead(r, value if kind == "dead" else
+                                        self._ranks[r].process.exitcode))
+            else:
+                lines.append(f"rank {r} had not joined the group after {waited:.1f}s (alive); "
+                             f"Python stack:\n{_indent(stacks[r][0])}")
+        return "\n".join(lines)
 
     def _collect(self, request_id: int, stall: float | None, total: float | None,
                  grace: float) -> tuple[dict[int, tuple], list[int], str]:
@@ -411,7 +400,8 @@ class LocalWorld:
 @contextlib.contextmanager
 def local_world(size: int, *, timeout: float = 120.0, deadline: float | None = None,
                 grace: float = 2.0, pg_timeout: float | None = None,
-                check: bool | None = None) -> Iterator[LocalWorld]:
+                check: bool | None = None,
+                start_timeout: float = DEFAULT_START_TIMEOUT_S) -> Iterator[LocalWorld]:
     """Start a ``LocalWorld`` of ``size`` processes for a ``with`` block, closing it on exit.
 
     Takes the arguments of :class:`LocalWorld`.
@@ -422,7 +412,7 @@ def local_world(size: int, *, timeout: float = 120.0, deadline: float | None = N
         [4, 4, 4, 4]
     """
     world = LocalWorld(size, timeout=timeout, deadline=deadline, grace=grace,
-                       pg_timeout=pg_timeout, check=check)
+                       pg_timeout=pg_timeout, check=check, start_timeout=start_timeout)
     try:
         yield world
     finally:
