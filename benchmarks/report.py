@@ -206,8 +206,14 @@ def write_report(outputs: dict[str, str], seconds: dict[str, float], quick: bool
         if bench.key == "scaling":
             lines += ["![memory per rank](img/scaling_memory.png)",
                       "![bytes sent per step](img/scaling_comm.png)", ""]
-        lines += ["```text", outputs[bench.key].strip(), "```", ""]
+        lines += ["```text", _relative(outputs[bench.key]).strip(), "```", ""]
     return "\n".join(lines)
+
+
+def _relative(text: str) -> str:
+    """A benchmark's console output with the checkout's absolute path cut off, so that the
+    report names files relative to the repository, never a path of the machine that ran it."""
+    return text.replace(ROOT + os.sep, "").replace(ROOT, ".")
 
 
 def main(argv: list[str] | None = None) -> None:
