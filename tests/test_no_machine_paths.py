@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# the checkout itself, and names Python's tempfile makes (/tmp/tmpab12cd_x): paths that only
-# exist on the machine that wrote them
+# the checkout itself, and the names Python's tempfile makes ("tmp" and 8 random characters
+# in the temporary directory): paths that only exist on the machine that wrote them
 TEMPFILE = re.compile(r"/tmp/tmp[a-z0-9_]{6,}")
 
 
