@@ -15,6 +15,7 @@ Example:
 """
 
 from shardfn.optim import schedules
+from shardfn.optim._compose import needs_full_leaves
 from shardfn.optim.adam import AdamState, adam, adamw
 from shardfn.optim.base import (
     EmptyState,
@@ -32,6 +33,7 @@ from shardfn.optim.base import (
 )
 from shardfn.optim.clipping import clip_by_global_norm, clip_grads, global_norm, sharded_over
 from shardfn.optim.donation import Donation, donated
+from shardfn.optim.inject import InjectHyperparamsState, inject_hyperparams, set_hyperparams
 from shardfn.optim.masking import MaskedState, MultiTransformState, masked, multi_transform
 from shardfn.optim.schedules import (
     constant,
@@ -47,6 +49,7 @@ __all__ = [
     "AdamState",
     "EmptyState",
     "GradientTransformation",
+    "InjectHyperparamsState",
     "MaskedState",
     "MultiTransformState",
     "ScalarOrSchedule",
@@ -66,14 +69,17 @@ __all__ = [
     "donating",
     "global_norm",
     "identity",
+    "inject_hyperparams",
     "join",
     "linear_schedule",
     "linear_warmup",
     "masked",
     "multi_transform",
+    "needs_full_leaves",
     "scale",
     "scale_by_schedule",
     "schedules",
+    "set_hyperparams",
     "set_to_zero",
     "sgd",
     "sharded_over",

@@ -9,7 +9,9 @@ groups and put the results back in order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -134,14 +136,55 @@ def per_leaf(prefix: PyTree, tree: PyTree, is_prefix_leaf: Callable[[Any], bool]
     return [e for e, x in zip(entries, pytree.tree_leaves(filled), strict=True) if x is not _HOLE]
 
 
+# the full parameter tree whose pieces the optimizer sees (set by shard_opt_state)
+_FULL_TREE: contextvars.ContextVar[Any] = contextvars.ContextVar("shardfn_optim_full_tree",
+                                                                 default=None)
+
+
+@contextlib.contextmanager
+def full_tree(params: PyTree) -> Iterator[None]:
+    """Within this context the trees optimizers see are pieces of ``params`` (ZeRO).
+
+    Callable masks and labels (``masked``, ``multi_transform``, Adam's weight-decay
+    ``mask``) are then called with the full parameters (see :func:`full_view`), so a
+    mask that reads shapes (``p.ndim >= 2``) selects what it selects unsharded.
+    """
+    token = _FULL_TREE.set(params)
+    try:
+        yield
+    finally:
+        _FULL_TREE.reset(token)
+
+
+def full_view(tree: PyTree) -> PyTree:
+    """``tree``'s counterpart in the enclosing :func:`full_tree` (the same leaves hidden
+    by None), or ``tree`` itself outside one or when the structures differ."""
+    full = _FULL_TREE.get()
+    if full is None:
+        return tree
+    leaves, treedef = pytree.tree_flatten(tree, is_leaf=_is_none)
+    full_leaves, full_def = pytree.tree_flatten(full, is_leaf=_is_none)
+    if treedef != full_def:
+        return tree
+    return pytree.tree_unflatten(
+        treedef, [None if x is None else f for x, f in zip(leaves, full_leaves, strict=True)])
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
 def bool_per_leaf(mask: PyTree, tree: PyTree, what: str) -> list[bool]:
     """Expand a bool mask (a prefix tree, or a callable of ``tree``) to one bool per leaf.
+
+    A callable is called with :func:`full_view` of ``tree`` (the full parameters when
+    ``tree`` holds their ZeRO pieces).
 
     Raises:
         ValueError: if the mask is not a prefix of ``tree`` or a mask leaf is not a bool.
     """
     if callable(mask):
-        mask = mask(tree)
+        mask = mask(full_view(tree))
     flags = per_leaf(mask, tree, lambda x: isinstance(x, bool))
     for i, flag in enumerate(flags):
         if not isinstance(flag, bool):

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from shardfn import pytree
+from shardfn.optim._compose import fold, is_sharded, marks_full_leaves
 from shardfn.optim._tree import (
     flatten_tensors,
     foreach_floating,
@@ -154,7 +155,10 @@ def donating(opt: GradientTransformation) -> GradientTransformation:
         >>> updates, state = opt.update(grads, state, params)
     """
     if not isinstance(opt, GradientTransformation):
-        raise TypeError(f"donating expects a GradientTransformation, got {type(opt).__name__}")
+        hint = (" (a ShardedOptimizer donates with shard_opt_state(..., donate=True))"
+                if callable(getattr(opt, "rewrap", None)) else "")
+        raise TypeError(f"donating expects a GradientTransformation, got "
+                        f"{type(opt).__name__}{hint}")
 
     def update(updates, state, params=None):
         with donated(updates=True, state=True):
@@ -211,19 +215,35 @@ def apply_updates(params: PyTree, updates: PyTree, *, donate: bool = False) -> P
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Apply transforms one after the other; the state is the tuple of their states.
 
+    With a ``shard_opt_state`` optimizer among ``transforms`` the whole chain is sharded
+    the same way: ``chain(a, shard_opt_state(b, mesh, "dp"), c)`` is
+    ``shard_opt_state(chain(a, b, c), mesh, "dp")`` (a ``ShardedOptimizer``), so every
+    transform sees the dp-averaged gradient's pieces and ``clip_by_global_norm`` clips by
+    the global norm, as unsharded. Refused when built: two sharded parts with different
+    sharding, or a part marked :func:`~shardfn.optim.needs_full_leaves`.
+
     Args:
         *transforms: the transforms, in the order they act on the updates.
 
     Returns:
-        A transform whose state is ``tuple(t.init(params) for t in transforms)``.
+        A transform whose state is ``tuple(t.init(params) for t in transforms)`` (a
+        ``ShardedOptimizer`` whose state's ``inner`` is that tuple, when one is sharded).
+
+    Raises:
+        TypeError: naming the argument that is not a transform.
+        ValueError: for a composition with a sharded optimizer that cannot mean anything.
 
     Example:
         >>> opt = chain(clip_by_global_norm(1.0), sgd(0.1, momentum=0.9))
+        >>> zero = chain(clip_by_global_norm(1.0), sf.shard_opt_state(adamw(1e-3), mesh, "dp"))
     """
     for i, t in enumerate(transforms):
-        if not isinstance(t, GradientTransformation):
+        if not isinstance(t, GradientTransformation) and not is_sharded(t):
             raise TypeError(f"chain: argument {i} is a {type(t).__name__}, "
-                            f"expected a GradientTransformation")
+                            f"expected a GradientTransformation (or a ShardedOptimizer)")
+    sharded = fold([(f"argument {i}", t) for i, t in enumerate(transforms)], "chain")
+    if sharded is not None:
+        return sharded.rewrap(chain(*(t.inner if is_sharded(t) else t for t in transforms)))
 
     def init(params):
         return tuple(t.init(params) for t in transforms)
@@ -238,7 +258,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update)
+    return marks_full_leaves(GradientTransformation(init, update), transforms)
 
 
 def _stateless(params) -> EmptyState:

@@ -1,5 +1,8 @@
 """Apply transforms to parts of the tree: ``masked`` and ``multi_transform`` (optax's).
 
+Over a ``shard_opt_state`` optimizer both shard the whole composition (see
+``shardfn.optim._compose``); callable masks and labels see the full parameters.
+
 Both work by hiding leaves: a leaf that a transform should not see is replaced
 by ``None``, which shardfn's pytrees treat as an empty subtree. The inner
 transform therefore inits and updates only its own leaves, and its state holds
@@ -17,10 +20,12 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from shardfn import pytree
+from shardfn.optim._compose import fold, is_sharded, marks_full_leaves
 from shardfn.optim._tree import (
     bool_per_leaf,
     flatten_tensors,
     frozen_zero,
+    full_view,
     is_frozen,
     leaves_like,
     per_leaf,
@@ -55,13 +60,18 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[PyTree], PyTr
             (called with ``params`` when ``update`` gets them, else with the updates).
 
     Returns:
-        A transform with state :class:`MaskedState`.
+        A transform with state :class:`MaskedState`; for a ``shard_opt_state`` ``inner``,
+        ``shard_opt_state(masked(inner.inner, mask))`` (a ShardedOptimizer: the leaves
+        passed through are the dp-averaged gradients, as unsharded).
 
     Example:
         >>> only_matrices = lambda params: tree_map(lambda p: p.ndim >= 2, params)
         >>> opt = chain(masked(scale(0.5), only_matrices), sgd(0.1))
     """
     _check_transform(inner, "masked: inner")
+    sharded = fold([("inner", inner)], "masked")
+    if sharded is not None:  # masked(shard_opt_state(t)) is shard_opt_state(masked(t))
+        return sharded.rewrap(masked(sharded.inner, mask))
 
     def init(params):
         flags = bool_per_leaf(mask, params, "masked")
@@ -83,7 +93,7 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[PyTree], PyTr
                   for leaf, f, p in zip(leaves, flags, param_leaves, strict=True)]
         return pytree.tree_unflatten(treedef, merged), MaskedState(inner_state)
 
-    return GradientTransformation(init, update)
+    return marks_full_leaves(GradientTransformation(init, update), [inner])
 
 
 def multi_transform(
@@ -103,7 +113,9 @@ def multi_transform(
             ``transforms``.
 
     Returns:
-        A transform with state :class:`MultiTransformState` (one inner state per label).
+        A transform with state :class:`MultiTransformState` (one inner state per label);
+        when some ``transforms`` are ``shard_opt_state`` ones (all sharded the same way),
+        the whole multi_transform is sharded that way: a ShardedOptimizer.
 
     Example:
         >>> opt = multi_transform({"body": adamw(1e-3), "head": adamw(1e-2)},
@@ -112,9 +124,14 @@ def multi_transform(
     transforms = dict(transforms)
     for label, t in transforms.items():
         _check_transform(t, f"multi_transform: transforms[{label!r}]")
+    sharded = fold([(f"transforms[{label!r}]", t) for label, t in transforms.items()],
+                   "multi_transform")
+    if sharded is not None:  # every group sharded the same way: shard the whole
+        return sharded.rewrap(multi_transform(
+            {label: t.inner if is_sharded(t) else t for label, t in transforms.items()}, labels))
 
     def label_per_leaf(tree):
-        tree_labels = labels(tree) if callable(labels) else labels
+        tree_labels = labels(full_view(tree)) if callable(labels) else labels
         leaf_labels = per_leaf(tree_labels, tree, lambda x: isinstance(x, str))
         for i, label in enumerate(leaf_labels):
             if label not in transforms:
@@ -152,9 +169,10 @@ def multi_transform(
                     merged[i] = next(new_leaves)
         return pytree.tree_unflatten(treedef, merged), MultiTransformState(new_states)
 
-    return GradientTransformation(init, update)
+    return marks_full_leaves(GradientTransformation(init, update), list(transforms.values()))
 
 
 def _check_transform(t: Any, what: str) -> None:
-    if not isinstance(t, GradientTransformation):
-        raise TypeError(f"{what} is a {type(t).__name__}, expected a GradientTransformation")
+    if not isinstance(t, GradientTransformation) and not is_sharded(t):
+        raise TypeError(f"{what} is a {type(t).__name__}, expected a GradientTransformation "
+                        "(or a ShardedOptimizer)")

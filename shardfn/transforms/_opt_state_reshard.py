@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shardfn import pytree
+from shardfn.optim._tree import full_tree
 from shardfn.optim.base import GradientTransformation
 from shardfn.primitives import stats
 from shardfn.primitives.flat import FlatPartition
@@ -52,7 +53,8 @@ def state_roles(opt: GradientTransformation, params, part: FlatPartition):
     probe = pytree.tree_unflatten(part.treedef, [
         torch.empty(_PROBE + i, dtype=x.dtype, device="meta") for i, x in enumerate(leaves)])
     try:
-        probe_state = opt.init(probe)
+        with full_tree(params):  # callable masks see the parameters, as in the real init
+            probe_state = opt.init(probe)
     except Exception as err:  # noqa: BLE001 - any failure means: cannot tell, say so
         raise ValueError(
             "shard_opt_state: gather_state/shard_state run the wrapped optimizer's init on "

@@ -10,11 +10,15 @@ into one whose state covers only this rank's part of the parameters:
    so ranks are balanced to within padding, even when one tensor is larger than
    all others together). The messages are read straight from the gradient
    tensors: no flat copy of the tree is made.
-2. The wrapped optimizer updates that part. Its masks, labels and per-group
-   hyper-parameters see a tree of the usual structure whose leaves are the
-   1-D pieces this rank owns; ``clip_by_global_norm`` inside it is told that
-   every leaf is sharded over ``axis`` and computes the exact global norm. It
-   may write its updates into those pieces (they are the wrapper's own buffers).
+2. The wrapped optimizer updates that part. It sees a tree of the usual
+   structure whose leaves are the 1-D pieces this rank owns; its callable masks
+   and labels are called with the full parameters (so ``p.ndim >= 2`` selects
+   as unsharded); ``clip_by_global_norm`` inside it is told that every leaf is
+   sharded over ``axis`` and computes the exact global norm. It may write its
+   updates into those pieces (they are the wrapper's own buffers).
+   ``sf.optim.chain``/``masked``/``multi_transform`` over a ShardedOptimizer
+   move inside it: ``chain(clip, shard_opt_state(opt))`` is
+   ``shard_opt_state(chain(clip, opt))``.
 3. The updates are **all-gathered** straight into full-size update tensors
    (new ones; with ``donate=True`` the gradient tensors passed in), so every
    rank returns the full updates for ``apply_updates``, exactly as the
@@ -71,7 +75,9 @@ import torch
 import torch.distributed as dist
 
 from shardfn import pytree
-from shardfn.mesh import AxisName, Mesh
+from shardfn.mesh import AxisName, Mesh, get_mesh
+from shardfn.optim._compose import is_sharded, wants_full_leaves
+from shardfn.optim._tree import full_tree
 from shardfn.optim.base import GradientTransformation
 from shardfn.optim.clipping import sharded_over
 from shardfn.optim.donation import donated
@@ -135,6 +141,13 @@ class ShardedOptimizer(NamedTuple):
             axis are finite (the same answer on every rank); ``skip_nonfinite`` wrapped
             around this optimizer uses it as its default check.
         inner: the wrapped optimizer (``opt``), e.g. for checkpoint layouts.
+        axes: the mesh axis names it shards over.
+        sharding: a comparable record of its mesh, axes and options (two sharded
+            optimizers compose only when theirs are equal).
+        rewrap: ``rewrap(other_opt)`` -> ``shard_opt_state(other_opt, ...)`` with this
+            one's mesh, axes and options; ``chain``, ``masked`` and ``multi_transform``
+            over a ShardedOptimizer use it to shard the whole composition
+            (``chain(clip, shard_opt_state(opt))`` is ``shard_opt_state(chain(clip, opt))``).
     """
 
     init: Callable
@@ -146,6 +159,9 @@ class ShardedOptimizer(NamedTuple):
     overlap: Callable
     all_finite: Callable | None = None
     inner: GradientTransformation | None = None
+    axes: tuple[str, ...] = ()
+    sharding: tuple = ()
+    rewrap: Callable | None = None
 
 
 def shard_opt_state(opt: GradientTransformation, mesh: Mesh, axis: AxisName = "dp", *,
@@ -172,10 +188,35 @@ def shard_opt_state(opt: GradientTransformation, mesh: Mesh, axis: AxisName = "d
     Returns:
         A :class:`ShardedOptimizer`; its ``init``/``update`` replace ``opt``'s.
 
+    Raises:
+        TypeError: if ``opt`` is not an optimizer.
+        ValueError: for ``opt`` already sharded over one of the same axes (it would shard
+            twice), or sharded over other axes with other options.
+
+    ``opt`` may itself be a ShardedOptimizer over *other* axes with the same options:
+    ``shard_opt_state(shard_opt_state(opt, mesh, "b"), mesh, "a")`` is
+    ``shard_opt_state(opt, mesh, ("a", "b"))``. ``sf.optim.chain``, ``masked`` and
+    ``multi_transform`` over a ShardedOptimizer shard the whole composition (see
+    docs/optim.md).
+
     Example:
         >>> opt = sf.shard_opt_state(sf.optim.adam(1e-3), mesh, "dp", shard_grads=True)
+        >>> opt = sf.optim.chain(sf.optim.clip_by_global_norm(1.0), opt)  # clip on the pieces
     """
     ax = _comm.resolve(axis, mesh)
+    mesh = get_mesh(mesh)  # the current one for None: rewrap keeps it
+    options = dict(shard_grads=shard_grads, bucket_bytes=bucket_bytes, average=average,
+                   precision=precision, donate=donate)
+    sharding = (mesh, ax.names, tuple(options.items()))
+    if is_sharded(opt):
+        return _nested(opt, mesh, axis, ax.names, sharding, options)
+    if not isinstance(opt, GradientTransformation):
+        raise TypeError(f"shard_opt_state expects a GradientTransformation (sf.optim.*), got "
+                        f"{type(opt).__name__}")
+    if wants_full_leaves(opt):
+        raise ValueError(f"shard_opt_state over {axis!r}: the optimizer needs whole leaves "
+                         "(marked by needs_full_leaves) but would see this rank's 1-D pieces; "
+                         "leave it unsharded (or shard its state another way)")
     reduce_dtype = precision.reduce_dtype if precision is not None else None
     partitions: dict = {}
 
@@ -198,7 +239,8 @@ def shard_opt_state(opt: GradientTransformation, mesh: Mesh, axis: AxisName = "d
         part = partition(params)
         _check_same_tree_on_all_ranks(part, ax)  # first: names the leaf whose shape differs
         consistency.check_replicated("shard_opt_state.init params", ax, params)
-        return ShardedOptState(opt.init(part.local(params)), record(part))
+        with full_tree(params):
+            return ShardedOptState(opt.init(part.local(params)), record(part))
 
     def local_grad_leaves(grads, params, part: FlatPartition, weight) -> list[torch.Tensor]:
         pytree.tree_map(lambda g, p: None, grads, params)  # structure check, names leaves
@@ -241,7 +283,8 @@ def shard_opt_state(opt: GradientTransformation, mesh: Mesh, axis: AxisName = "d
                 part.treedef, local_grad_leaves(grads, params, part, weight))
             ours = True
         # the local gradients made here are ours to overwrite; the state only if donated
-        with sharded_over(axis, mesh), donated(updates=ours or donate, state=donate):
+        with sharded_over(axis, mesh), donated(updates=ours or donate, state=donate), \
+                full_tree(params):
             local_updates, inner = opt.update(local_grads, state.inner, part.local(params),
                                               **inner_kwargs)
         param_leaves = pytree.tree_leaves(params)
@@ -274,8 +317,31 @@ def shard_opt_state(opt: GradientTransformation, mesh: Mesh, axis: AxisName = "d
         return finite_over(grads, axes=ax.names if len(ax.names) > 1 else ax.names[0],
                            mesh=mesh)
 
+    def rewrap(other: GradientTransformation) -> ShardedOptimizer:
+        return shard_opt_state(other, mesh, axis, **options)
+
     return ShardedOptimizer(init, update, gather_state, shard_state, reduce_grads, partition,
-                            overlap, all_finite, opt)
+                            overlap, all_finite, opt, ax.names, sharding, rewrap)
+
+
+def _nested(opt: ShardedOptimizer, mesh: Mesh, axis: AxisName, names: tuple[str, ...],
+            sharding: tuple, options: dict) -> ShardedOptimizer:
+    """``shard_opt_state(opt)`` for an ``opt`` that is sharded already: one sharding over
+    both axis sets when they are disjoint and the rest agrees, else refused."""
+    twice = sorted(set(names) & set(opt.axes))
+    if twice:
+        raise ValueError(
+            f"shard_opt_state over {axis!r}: the optimizer is already shard_opt_state over "
+            f"{opt.axes}, so axes {twice} would be sharded twice (each rank's pieces cut "
+            f"again and averaged twice). Valid order: shard once, around the plain optimizer: "
+            f"shard_opt_state(opt, mesh, {axis!r}); compositions go inside or around it "
+            f"(chain(clip, shard_opt_state(opt, ...)) is shard_opt_state(chain(clip, opt), ...))")
+    if opt.sharding[0] != sharding[0] or opt.sharding[2] != sharding[2]:
+        raise ValueError(
+            f"shard_opt_state over {axis!r}: the optimizer is shard_opt_state over {opt.axes} "
+            f"with another mesh or other options ({dict(opt.sharding[2])} vs {options}); "
+            f"shard once over both axes: shard_opt_state(opt, mesh, {names + opt.axes!r})")
+    return shard_opt_state(opt.inner, mesh, names + opt.axes, **options)
 
 
 def _fingerprint(part: FlatPartition) -> int:
