@@ -255,7 +255,7 @@ def test_layers_import_only_downwards():
 #: modules before it (placement/choose, plan, exchange, the call's parts, api)
 SHARD_PARAMS_ORDER = ("placement", "choose", "plan", "exchange", "tree", "unit_modes",
                       "accumulator", "prefetch", "deferred", "functions", "backward", "call",
-                      "api")
+                      "compose", "api")
 
 
 def test_shard_params_layers_import_only_downwards():

@@ -83,6 +83,7 @@ from shardfn.transforms._tp_styles import (
     leaf_specs,
     wrap,
 )
+from shardfn.transforms.precision import split_precision, with_precision
 
 __all__ = [
     "Colwise",
@@ -312,7 +313,8 @@ def tensor_split(fmodel: FunctionalModel, mesh: Mesh | None = None, axis: str = 
     """Split the layers named by ``plan`` over mesh axis ``axis`` (Megatron tensor parallelism).
 
     Args:
-        fmodel: a :class:`~shardfn.FunctionalModel` (``sf.functional(module)``).
+        fmodel: a :class:`~shardfn.FunctionalModel` (``sf.functional(module)``), or
+            ``sf.with_precision(fm, p)``: then ``with_precision(tensor_split(fm, ...), p)``.
         mesh: the mesh (default: the current one); ``axis`` must be one of its axes.
         axis: the tensor-parallel axis.
         plan: ``{fnmatch glob over module paths: style}``; a style is ``"colwise"``,
@@ -350,9 +352,18 @@ def tensor_split(fmodel: FunctionalModel, mesh: Mesh | None = None, axis: str = 
         >>> tp = sf.tensor_split(fmodel, mesh, "tp", {"blocks.*.mlp.fc1": "colwise",
         ...                                            "blocks.*.mlp.fc2": "rowwise"})
     """
+    fmodel, policy = split_precision(fmodel)  # docs/composing.md
+    if policy is not None:  # tensor_split(with_precision(fm, p)) == with_precision(split(fm), p)
+        return with_precision(tensor_split(fmodel, mesh, axis, plan), policy)
     if not isinstance(fmodel, FunctionalModel):
+        hint = ""
+        if isinstance(fmodel, TensorSplitModel):
+            hint = f"; it is split over {fmodel.axis!r} already: one tensor_split, one plan"
+        elif hasattr(fmodel, "specs"):  # a sharded model: the valid order is the other one
+            hint = ("; split first, then shard: shard_params(tensor_split(fm, mesh, 'tp', "
+                    "plan), mesh, 'dp')")
         raise TypeError(f"tensor_split expects a FunctionalModel (sf.functional(module)), "
-                        f"got {type(fmodel).__name__}")
+                        f"got {type(fmodel).__name__}{hint}")
     if plan is not None and not isinstance(plan, Mapping):
         raise TypeError(f"tensor_split: plan must be a dict {{glob over module paths: style}}, "
                         f"e.g. {{'mlp.fc1': 'colwise', 'mlp.fc2': 'rowwise'}}; got a "

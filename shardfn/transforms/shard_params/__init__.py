@@ -78,6 +78,8 @@ The package is layered one way (each module imports only those above it here):
 * ``exchange``: a unit's gather and reduction;
 * the call, one ``apply``: ``tree``, ``unit_modes``, ``accumulator``, ``prefetch``,
   ``deferred``, ``functions``, ``backward``, ``call``;
+* ``compose``: what ``shard_params`` does with other model kinds (``with_precision``,
+  sharded ones; docs/composing.md);
 * ``api``: :class:`ShardedModel` and :func:`shard_params`.
 
 ``docs/architecture.md`` walks through one call step by step.
@@ -111,6 +113,9 @@ Example:
 
 from shardfn.transforms.shard_params.api import ShardedModel, shard_params
 from shardfn.transforms.shard_params.choose import UnitPolicy
+from shardfn.transforms.shard_params.compose import register
 from shardfn.transforms.shard_params.placement import OffloadPolicy
+
+register(ShardedModel, shard_params)  # with_precision(sharded, p): rebuilt with precision=p
 
 __all__ = ["OffloadPolicy", "ShardedModel", "UnitPolicy", "shard_params"]

@@ -33,6 +33,7 @@ from shardfn.transforms.remat import Policy, nothing_saveable
 from shardfn.transforms.shard_params.accumulator import reduce_once
 from shardfn.transforms.shard_params.call import ApplyCall
 from shardfn.transforms.shard_params.choose import UnitPolicy, resolve_units
+from shardfn.transforms.shard_params.compose import take_model
 from shardfn.transforms.shard_params.functions import RootFn
 from shardfn.transforms.shard_params.placement import OffloadPolicy, Placement
 from shardfn.transforms.shard_params.plan import Plan, Unit, make_plan
@@ -355,7 +356,8 @@ def shard_params(
     """Shard every parameter of ``model`` on dim 0 over ``axis`` (ZeRO-3 / FSDP; HSDP).
 
     Args:
-        model: a functional model (``sf.functional(module)``; may come from a meta module),
+        model: a functional model (``sf.functional(module)``, from a meta module too, or
+            ``sf.with_precision(fm, p)``: ``precision=p``, docs/composing.md),
             or a ``sf.tensor_split`` model: FSDP + TP, a ``FsdpTpModel`` (docs/fsdp_tp.md).
         mesh: the mesh.
         axis: the mesh axis (or tuple of axes) to shard over.
@@ -406,6 +408,7 @@ def shard_params(
     if isinstance(model, nn.Module):
         raise TypeError("shard_params takes a functional model: shard_params(sf.functional("
                         "module), mesh, ...)")
+    model, precision = take_model(model, precision, axis, ShardedModel)  # see compose.py
     if isinstance(model, TensorSplitModel):  # FSDP + TP on a 2-D mesh: see _fsdp_tp.py
         return over_tensor_split(shard_params, model, mesh, axis, resolve_units(
             model.fmodel, units), dict(reshard_after_forward=reshard_after_forward,
