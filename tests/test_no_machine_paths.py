@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # the checkout itself, and the names Python's tempfile makes ("tmp" and 8 random characters
 # in the temporary directory): paths that only exist on the machine that wrote them
-TEMPFILE = re.compile(r"/tmp/tmp[a-z0-9_]{6,}")
+TEMPFILE = re.compile(re.escape(tempfile.gettempdir()) + r"/tmp[a-z0-9_]{6,}")
 
 
 def _tracked_text_files() -> list[Path]:
