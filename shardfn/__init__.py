@@ -10,6 +10,7 @@ Example:
 from shardfn import checkpoint, distributed, memory, models, optim, pytree
 from shardfn.functional import FunctionalModel, ShapeDtype, functional
 from shardfn.mesh import Mesh, get_mesh, set_mesh
+from shardfn.model import Model
 from shardfn.primitives import (
     CommStats,
     all_gather,
@@ -28,6 +29,7 @@ from shardfn.primitives import (
     reset_comm_stats,
 )
 from shardfn.primitives.consistency import ConsistencyError, check_consistency
+from shardfn.primitives.declared import check_replicated
 from shardfn.spec import Layout, P, gather, layout_of, local_shape, shard, spec_axes
 from shardfn.transforms import (
     Colwise,
@@ -62,23 +64,48 @@ from shardfn.transforms import (
     vocab_parallel_cross_entropy,
     with_precision,
 )
-from shardfn.transforms.pipeline import PipelineModel, StepReport, pipeline_stages
+from shardfn.transforms.pipeline import (
+    ModelUnits,
+    PipelineModel,
+    Schedule,
+    StepReport,
+    hf_units,
+    pipeline_split,
+    pipeline_stages,
+    schedule_from_actions,
+    schedule_from_csv,
+)
 from shardfn.transforms.remat import Offload, checkpoint_name, checkpoint_policies, remat
+from shardfn.transforms.tensor_split import (
+    FusedColumnsLayout,
+    PrepareInput,
+    PrepareInputOutput,
+    PrepareOutput,
+    hf_tp_plan,
+)
+from shardfn.transforms.vocab_parallel import vocab_parallel_causal_lm_loss
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ModelUnits",
+    "Schedule",
+    "hf_units",
+    "schedule_from_actions",
+    "schedule_from_csv",
     "checkpoint",
     "Colwise",
     "PipelineModel",
     "StepReport",
     "pipeline_stages",
+    "pipeline_split",
     "CommStats",
     "ConsistencyError",
     "DataParallel",
     "FsdpTpLayout",
     "FsdpTpModel",
     "FunctionalModel",
+    "FusedColumnsLayout",
     "FusedLayout",
     "ScaleState",
     "ShapeDtype",
@@ -88,7 +115,11 @@ __all__ = [
     "Layout",
     "LossScaler",
     "Precision",
+    "PrepareInput",
+    "PrepareInputOutput",
+    "PrepareOutput",
     "Mesh",
+    "Model",
     "Replicate",
     "Rowwise",
     "SequenceParallel",
@@ -106,6 +137,7 @@ __all__ = [
     "axis_size",
     "broadcast",
     "check_consistency",
+    "check_replicated",
     "checkpoint_name",
     "checkpoint_policies",
     "comm_stats",
@@ -114,6 +146,7 @@ __all__ = [
     "dynamic_loss_scale",
     "functional",
     "gather",
+    "hf_tp_plan",
     "get_mesh",
     "layout_of",
     "local_shape",
@@ -139,6 +172,7 @@ __all__ = [
     "static_loss_scale",
     "sync_batch_norm",
     "tensor_split",
+    "vocab_parallel_causal_lm_loss",
     "vocab_parallel_cross_entropy",
     "with_precision",
     "spec_axes",

@@ -15,7 +15,10 @@ How each leaf is initialised, first rule that applies wins:
    ``_reset_parameters()``, as ``nn.MultiheadAttention`` has), if it writes
    the leaf. Only the owner's write counts: a parent that re-initialises a
    child's leaf (``MultiheadAttention`` zeroing ``out_proj.bias``) is ignored,
-   so values never depend on which other submodules were initialised.
+   so values never depend on which other submodules were initialised. Inside a
+   Hugging Face ``PreTrainedModel``, its ``_init_weights`` then runs on the owner
+   and its ancestors, as ``post_init`` does (:mod:`shardfn._functional_hf`:
+   embeddings ``normal(0, config.initializer_range)``, GPT-2's scaled ``c_proj``).
 3. a copy of the user's module's current value (parameters created with
    ``torch.randn`` in ``__init__``, constant buffers such as a mask). If that
    value is on the meta device, ``init`` raises and names the leaf.
@@ -36,6 +39,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from shardfn._functional_hf import inside_pretrained, run_init_weights
 from shardfn._functional_leaves import Leaf, find_leaves, meta_skeleton, reject_lazy, suggest
 
 __all__ = [
@@ -157,14 +161,15 @@ def _init_owned(
     from_reset: Params = {}
     if any(leaf.name not in init_fns for leaf in leaves):
         submodule = module.get_submodule(path)
-        if _reset_method(submodule) is not None:
+        if _has_initialiser(module, path):
             try:
-                from_reset = _run_reset(submodule, leaves, device, derive_seed(seed, path))
+                from_reset = _run_reset(module, path, leaves, device, derive_seed(seed, path))
             except Exception as error:
+                what = "reset_parameters()" + (" or Hugging Face's _init_weights"
+                                               if inside_pretrained(module, path) else "")
                 raise RuntimeError(
-                    f"reset_parameters() of {type(submodule).__name__} at "
-                    f"{path or '<root>'!r} failed while initialising "
-                    f"{tuple(leaf.name for leaf in leaves)}: {error}"
+                    f"{what} of {type(submodule).__name__} at {path or '<root>'!r} failed "
+                    f"while initialising {tuple(leaf.name for leaf in leaves)}: {error}"
                 ) from error
     values: Params = {}
     for leaf in leaves:
@@ -203,16 +208,22 @@ def _reset_method(module: nn.Module) -> Callable[[], Any] | None:
     return None
 
 
+def _has_initialiser(skeleton: nn.Module, path: str) -> bool:
+    return (_reset_method(skeleton.get_submodule(path)) is not None
+            or inside_pretrained(skeleton, path))
+
+
 def _run_reset(
-    submodule: nn.Module, leaves: Sequence[Leaf], device: torch.device, seed: int
+    skeleton: nn.Module, path: str, leaves: Sequence[Leaf], device: torch.device, seed: int
 ) -> Params:
-    """Materialise ``leaves`` on a private copy of ``submodule``, reset it, return what it wrote.
+    """Materialise ``leaves`` on a private copy of the submodule at ``path``, reset it (then
+    Hugging Face's ``_init_weights``, inside a ``PreTrainedModel``), return what was written.
 
     A leaf counts as written when the reset replaced it, changed it in place
     (version counter) or swapped its storage (``.data = ...``). The caller holds
     the forked RNG; this seeds it.
     """
-    work = copy.deepcopy(submodule)  # meta: costs no tensor memory
+    work = copy.deepcopy(skeleton.get_submodule(path))  # meta: costs no tensor memory
     before: dict[str, tuple[torch.Tensor, int, int]] = {}
     for leaf in leaves:
         store = work._buffers if leaf.is_buffer else work._parameters
@@ -222,7 +233,10 @@ def _run_reset(
         store[leaf.key] = fresh
         before[leaf.name] = (fresh, fresh._version, _data_ptr(fresh))
     _seed_rng(device, seed)
-    _reset_method(work)()
+    reset = _reset_method(work)
+    if reset is not None:
+        reset()
+    run_init_weights(skeleton, path, work)
     written: Params = {}
     for leaf in leaves:
         store = work._buffers if leaf.is_buffer else work._parameters
@@ -307,11 +321,10 @@ def _uninitialised_sources(
         if not todo:
             continue
         covered: set[str] = set()
-        submodule = skeleton.get_submodule(path)
-        if _reset_method(submodule) is not None:
+        if _has_initialiser(skeleton, path):
             try:
                 with _forked_rng(meta), torch.inference_mode(False), torch.no_grad():
-                    covered = set(_run_reset(submodule, todo, meta, 0))
+                    covered = set(_run_reset(skeleton, path, todo, meta, 0))
             except Exception:  # reset needs real data: fall back to keeping the values
                 covered = set()
         for leaf in todo:

@@ -39,12 +39,14 @@ import copy
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
+from shardfn._functional_hf import without_kv_cache
 from shardfn._functional_init import InitFn, InitPlan, derive_seed, init_subset, plan_init
+from shardfn._functional_layout import LeafTree, ShapeDtype
 from shardfn._functional_leaves import check_params, describe_unknown, vmap_buffer_error
 from shardfn._functional_leaves import refuse_differentiated_state as refuse_state
 from shardfn._functional_swap import Slot, call_swapped, plan_slots
@@ -55,15 +57,8 @@ __all__ = ["FunctionalModel", "InitFn", "ShapeDtype", "derive_seed", "functional
 Params = dict[str, torch.Tensor]
 
 
-class ShapeDtype(NamedTuple):
-    """Shape and dtype of one leaf, known without materialising it."""
-
-    shape: torch.Size
-    dtype: torch.dtype
-
-
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
-class FunctionalModel:
+class FunctionalModel(LeafTree):
     """A module as pure functions of a flat ``name -> Tensor`` dict; made by :func:`functional`.
 
     Attributes:
@@ -76,6 +71,11 @@ class FunctionalModel:
         tied: alias name -> the name of the leaf it shares (``{"head.weight": "emb.weight"}``).
         owners: leaf name -> path of the submodule that registers it.
         module_paths: every submodule path (``""`` is the root), for ``init_subset``.
+
+    The tree members of the model protocol (:mod:`shardfn.model`) that an unsharded
+    model has trivially (``functional`` is itself, ``mesh`` None, ``specs`` every leaf
+    ``Layout(P(), shape)``, ``shard``/``gather`` the identity) and ``params_from``,
+    ``param_shapes``, ``abstract`` come from its base :class:`~._functional_layout.LeafTree`.
     """
 
     module: nn.Module
@@ -324,48 +324,6 @@ class FunctionalModel:
             )
         return {name: both[name] for name in self.names if name in both}
 
-    def param_shapes(self) -> dict[str, ShapeDtype]:
-        """``name -> ShapeDtype(shape, dtype)`` for every leaf, without materialising anything.
-
-        Example:
-            >>> functional(torch.nn.Linear(3, 2)).param_shapes()["weight"]
-            ShapeDtype(shape=torch.Size([2, 3]), dtype=torch.float32)
-        """
-        leaves = self._plan.leaves
-        return {name: ShapeDtype(leaf.shape, leaf.dtype) for name, leaf in leaves.items()}
-
-    def abstract(self) -> Params:
-        """``name -> meta Tensor``: the tree of ``init``'s result with shapes/dtypes but no data.
-
-        Example:
-            >>> functional(torch.nn.Linear(3, 2)).abstract()["bias"]
-            tensor(..., device='meta', size=(2,))
-        """
-        return {
-            name: torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
-            for name, leaf in self._plan.leaves.items()
-        }
-
-    def params_from(self, module: nn.Module) -> Params:
-        """The current values of a materialised module of the same structure, as a params dict.
-
-        Args:
-            module: a module with the same leaf names (typically the original one).
-
-        Returns:
-            ``name -> Tensor`` (detached, sharing storage with ``module``).
-
-        Example:
-            >>> linear = torch.nn.Linear(3, 2)
-            >>> functional(linear).params_from(linear)["weight"] is not None
-            True
-        """
-        found = dict(module.named_parameters(remove_duplicate=False))
-        found.update(module.named_buffers(remove_duplicate=False))
-        params = {name: found[name].detach() for name in self.names if name in found}
-        self.check(params)
-        return params
-
     def train(self, mode: bool = True) -> FunctionalModel:
         """A copy of this model whose skeleton is in training (or eval) mode; ``self`` is unchanged.
 
@@ -396,7 +354,9 @@ def functional(
     """Turn ``module`` into a :class:`FunctionalModel` with pure ``init`` and ``apply``.
 
     The module is not modified and may live on the meta device (a model built
-    under ``with torch.device("meta")``); only a meta-device skeleton is kept.
+    under ``with torch.device("meta")``); only a meta-device skeleton is kept. A Hugging
+    Face model initialises as its ``_init_weights`` does and computes without a KV cache
+    unless ``apply(..., use_cache=True)`` (:mod:`shardfn._functional_hf`).
 
     Args:
         module: any ``nn.Module`` (lazy modules must be materialised first).
@@ -429,6 +389,7 @@ def functional(
     if not isinstance(module, nn.Module):
         raise TypeError(f"functional() expects a torch.nn.Module, got {type(module).__name__}")
     skeleton, init_plan = plan_init(module, init_fns or {})
+    without_kv_cache(skeleton)  # a Hugging Face model: no KV cache filled in place
     leaves = init_plan.leaves
     param_names = tuple(n for n, leaf in leaves.items() if not leaf.is_buffer)
     return FunctionalModel(

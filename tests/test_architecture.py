@@ -212,7 +212,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("specs", ("shardfn.spec",)),
     ("models and memory", ("shardfn.functional", "shardfn._functional_init", "shardfn.models",
                            "shardfn._functional_leaves", "shardfn._functional_swap",
-                           "shardfn.memory")),
+                           "shardfn.memory", "shardfn.model",
+                           "shardfn._functional_layout", "shardfn._functional_hf")),
     ("optimizers", ("shardfn.optim",)),
     ("transforms", ("shardfn.transforms",)),
     ("checkpoints", ("shardfn.checkpoint",)),
@@ -254,8 +255,8 @@ def test_layers_import_only_downwards():
 #: the shard_params package's modules in the order its docstring gives: each imports only
 #: modules before it (placement/choose, plan, exchange, the call's parts, api)
 SHARD_PARAMS_ORDER = ("placement", "choose", "plan", "exchange", "tree", "unit_modes",
-                      "accumulator", "prefetch", "deferred", "functions", "backward", "call",
-                      "compose", "api")
+                      "accumulator", "prefetch", "deferred", "record", "steps", "forward",
+                      "backward", "functions", "call", "compose", "leaves", "api")
 
 
 def test_shard_params_layers_import_only_downwards():
@@ -489,3 +490,43 @@ def test_no_repeated_blocks_in_shard_params():
     assert not same and not shape, "\n".join([
         f"blocks of {MIN_BLOCK}+ lines repeated in the shard_params package:",
         *_describe(same), "same shape with other names:", *_describe(shape)])
+
+
+# ------------------------------------------------------------------ the model protocol seam
+
+def _model_kinds() -> list[str]:
+    """``module.Class`` of every class in the package that defines both ``init`` and
+    ``apply``: a model kind, which must implement the whole protocol."""
+    kinds = []
+    for module, path in _module_files().items():
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                defined = {item.name for item in node.body
+                           if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                if {"init", "apply"} <= defined:
+                    kinds.append(f"{module}.{node.name}")
+    return kinds
+
+
+def test_every_model_kind_implements_the_whole_protocol():
+    """A class with ``init`` and ``apply`` is a model kind: it has every member of
+    ``shardfn.model.MEMBERS`` (as a method, property or dataclass field), so a new kind
+    cannot ship half the protocol (what the members do: tests/test_model_conformance.py)."""
+    import dataclasses
+    import importlib
+
+    from shardfn.model import MEMBERS
+
+    kinds = _model_kinds()
+    assert len(kinds) >= 7, kinds  # functional, sharded, split, FSDP x TP, pipeline, ...
+    lacking = {}
+    for kind in kinds:
+        module, name = kind.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module), name)
+        fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) \
+            else set()
+        missing = [m for m in MEMBERS if not hasattr(cls, m) and m not in fields]
+        if missing:
+            lacking[kind] = missing
+    assert not lacking, f"model kinds lacking protocol members: {lacking}"

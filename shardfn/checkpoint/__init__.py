@@ -15,6 +15,7 @@ Example:
 """
 
 from shardfn.checkpoint._commit import latest
+from shardfn.checkpoint._compress import registry as compression_registry
 from shardfn.checkpoint._layout import OptLayout, PerRank, Skip
 from shardfn.checkpoint._staging import release_staging
 from shardfn.checkpoint.errors import (
@@ -30,6 +31,7 @@ from shardfn.checkpoint.export import (
     optimizer_from_torch,
     optimizer_to_torch,
 )
+from shardfn.checkpoint.hf import load_pretrained, save_pretrained
 from shardfn.checkpoint.load import load
 from shardfn.checkpoint.save import SaveHandle, save, wait_pending
 
@@ -42,14 +44,17 @@ __all__ = [
     "PerRank",
     "SaveHandle",
     "Skip",
+    "compression_registry",
     "export_state_dict",
     "import_state_dict",
     "latest",
     "load",
+    "load_pretrained",
     "non_persistent_buffers",
     "optimizer_from_torch",
     "optimizer_to_torch",
     "release_staging",
     "save",
+    "save_pretrained",
     "wait_pending",
 ]

@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from shardfn.checkpoint import _commit, _hooks
+from shardfn.checkpoint._compress import extensions
 from shardfn.checkpoint._layout import Entry
 from shardfn.checkpoint._metadata import read_metadata
 from shardfn.checkpoint._plan import global_plans, metadata_of
@@ -242,9 +243,11 @@ def dir_mode(file_mode: int) -> int:
     return file_mode | ((file_mode & 0o444) >> 2)
 
 
-def _writer(path: str, thread_count: int, file_mode: int | None = None) -> FileSystemWriter:
+def _writer(path: str, thread_count: int, file_mode: int | None = None,
+            compression: str | None = None) -> FileSystemWriter:
     writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True,
-                              thread_count=thread_count, overwrite=False)
+                              thread_count=thread_count, overwrite=False,
+                              _extensions=extensions(compression))
     writer.fs = _HookedFileSystem(file_mode)
     return writer
 
@@ -295,7 +298,7 @@ class Written(NamedTuple):
 
 def write_local(planner: _SavePlanner, plans: list[SavePlan], rank: int, path: str,
                 thread_count: int = 1, fast: bool = False,
-                file_mode: int | None = None) -> Written:
+                file_mode: int | None = None, compression: str | None = None) -> Written:
     """Write this rank's part of a DCP checkpoint into the directory ``path`` (no
     collective): the global plan (dedup of chunks several ranks hold, chunk checks) is
     made from every rank's local plan ``plans`` on each rank (:mod:`._plan`).
@@ -303,9 +306,10 @@ def write_local(planner: _SavePlanner, plans: list[SavePlan], rank: int, path: s
     Args:
         fast: skip ``torch.save``'s per-record CRC (see :func:`_no_record_crc`).
         file_mode: the files' permission bits (None: the process's umask decides).
+        compression: each stored item's codec (:mod:`._compress`; None: raw).
     """
     deduped = global_plans(plans)
-    writer = _writer(path, thread_count, file_mode)
+    writer = _writer(path, thread_count, file_mode, compression)
     writer.set_up_storage_writer(rank == 0, rank=rank)
     writer.prepare_local_plan(plans[rank])  # makes the directory
     final = planner.finish_plan(writer.prepare_global_plan(deduped)[rank])

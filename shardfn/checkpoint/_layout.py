@@ -48,7 +48,7 @@ from shardfn.checkpoint._boxes import (
 )
 from shardfn.mesh import Mesh
 from shardfn.optim.base import GradientTransformation
-from shardfn.primitives.flat import FlatPartition
+from shardfn.primitives import flat, reduced
 from shardfn.spec import Layout, P, spec_axes
 from shardfn.transforms import FsdpTpLayout, FusedLayout, ShardedOptimizer, ShardedOptState
 from shardfn.transforms._opt_state_reshard import state_roles
@@ -363,6 +363,8 @@ def _leaf_entry(name: str, x, source, mesh: Mesh, rank: int) -> Entry:
                             f"{source} describes a tensor")
         return Entry(name, key, False, (), (), not isinstance(source, PerRank))
     spec = None if isinstance(source, PerRank) else source
+    if not isinstance(source, PerRank):  # a gradient shard saved as the whole tensor: refused
+        reduced.check_layouts("checkpoint save", [x], [spec_axes(spec)], lambda: [name])
     placed = _boxes_of(name, x, spec, mesh)
     return Entry(name, key, True, placed.shape, tuple(box_chunks(placed.boxes)),
                  spec is None and not isinstance(source, PerRank))
@@ -406,7 +408,7 @@ def _opt_entries(node, source, name: str, mesh: Mesh, rank: int, ctx: dict, out:
                              tuple(piece_chunks(pieces[role], part.shapes[role], p.boxes)), False))
         out.append(Entry(_join(name, "partition"), None, True, (), (), False))
         return
-    part = FlatPartition.of(params.tree, 1, 0)
+    part = flat.FlatPartition.of(params.tree, 1, 0)
     roles = _roles(opt, params.tree, part, name, node)
     for (leaf_name, x), role in zip(named_leaves(node, name), roles, strict=True):
         if role is None:
@@ -424,7 +426,7 @@ def _opt_entries(node, source, name: str, mesh: Mesh, rank: int, ctx: dict, out:
 _ROLES: dict = {}  # (optimizer, parameter treedef, dtypes) -> (state treedef, roles)
 
 
-def _roles(opt: GradientTransformation, params, part: FlatPartition, name: str, state
+def _roles(opt: GradientTransformation, params, part: flat.FlatPartition, name: str, state
            ) -> list[int | None]:
     """Per state leaf, its parameter leaf (or None); memoized per optimizer, parameter
     structure and dtypes (what ``state_roles``'s probe ``init`` depends on), so repeated

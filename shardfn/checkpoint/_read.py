@@ -6,9 +6,11 @@ needs is read whole (one read) and loaded from those bytes (a plain tensor
 without ``torch.load``'s Python unpickler, :mod:`._zipread`), and, for the files
 this rank verifies, the bytes between them are read too, so the file's size
 and CRC-32 are computed on exactly the bytes read and compared with the
-manifest. A file that no rank reads is checked by one rank with a plain pass.
-A file whose bytes fail to parse is checked whole before the parse error is
-raised, so a corrupted file is always reported as such, by name.
+manifest. A compressed item (``save(..., compression=)``) is decompressed
+from the bytes read, a tensor chunk to at most its own size. A file that no
+rank reads is checked by one rank with a plain pass. A file whose bytes fail
+to parse (or to decompress) is checked whole before the error is raised, so a
+corrupted file is always reported as such, by name.
 
 The read plan is made locally (DCP's global load plan changes nothing for a
 file-system reader), so a load needs none of DCP's collectives.
@@ -23,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import io
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -33,14 +36,16 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from torch.futures import Future
 
 from shardfn.checkpoint import _commit
+from shardfn.checkpoint._compress import decode, transforms_of
 from shardfn.checkpoint._dcp import Reader, _LoadPlanner, _Target
 from shardfn.checkpoint._metadata import check_coverage
 from shardfn.checkpoint._zipread import plain_tensor
-from shardfn.checkpoint.errors import CorruptCheckpointError
+from shardfn.checkpoint.errors import CheckpointError, CorruptCheckpointError
 
 __all__ = ["VerifyingReader", "assign_files", "read", "read_plan"]
 
 _BLOCK = 1 << 22
+_WRAPPING = 1 << 20  # torch.save's zip records around a tensor's bytes: far less than this
 
 
 class VerifyingReader(Reader):
@@ -73,10 +78,6 @@ class VerifyingReader(Reader):
         per_file: dict[str, dict[Any, list[ReadItem]]] = {}
         for item in plan.items:
             info = self.storage_data[item.storage_index]
-            if info.transform_descriptors:
-                raise CorruptCheckpointError(
-                    f"checkpoint {str(self.path)!r}: {info.relative_path!r} has stream "
-                    f"transforms {info.transform_descriptors} (not written by shardfn)")
             stored = per_file.setdefault(info.relative_path, {})
             stored.setdefault((info.offset, info.length), []).append(item)
         for name, stored in per_file.items():
@@ -118,10 +119,10 @@ class VerifyingReader(Reader):
                             f"{offset + got} bytes, an item ends at {offset + length}")
                     if verify:
                         crc, pos = _commit.crc32(data, crc), pos + length
-                    _load_item(data, items, planner)
+                    _load_item(self._decoded(name, data, items[0], planner), items, planner)
                 while verify and (block := f.read(_BLOCK)):
                     crc, pos = _commit.crc32(block, crc), pos + len(block)
-        except CorruptCheckpointError:
+        except CheckpointError:
             raise
         except Exception as err:  # noqa: BLE001 - any failure to read or parse the file
             self._check_whole(name)  # a corrupted file: say so, naming it
@@ -132,6 +133,28 @@ class VerifyingReader(Reader):
             _commit.check_digest(self.path, name, self.manifest, (pos, crc))
         elif name in self.verify:
             self._check_whole(name)
+
+
+    def _decoded(self, name: str, data: memoryview, item: ReadItem, planner) -> memoryview:
+        """An item's ``torch.save`` bytes: ``data`` itself, or decompressed (a tensor chunk
+        to at most its own bytes plus the ``torch.save`` wrapping)."""
+        descriptors = self.storage_data[item.storage_index].transform_descriptors
+        if not descriptors:
+            return data
+        limit = None
+        if item.type != LoadItemType.BYTE_IO:
+            md = planner.metadata.state_dict_metadata[item.storage_index.fqn]
+            sizes = next((c.sizes for c in md.chunks
+                          if tuple(c.offsets) == tuple(item.storage_index.offset)), None)
+            if sizes is not None:
+                limit = math.prod(sizes) * md.properties.dtype.itemsize + _WRAPPING
+        where = (f"checkpoint {str(self.path)!r}: file {name!r}, item "
+                 f"{item.storage_index.fqn!r}")
+        try:
+            return decode(descriptors, data, limit, where)
+        except CorruptCheckpointError:
+            self._check_whole(name)  # a damaged file: say that first, naming it
+            raise
 
 
 def _load_item(data: memoryview, items: list[ReadItem], planner) -> None:
@@ -149,12 +172,13 @@ def _load_item(data: memoryview, items: list[ReadItem], planner) -> None:
                                                   strict=True)):
             part = part.narrow(dim, start, length)
         target = planner.resolve_tensor(item).detach()
-        if target.size() != part.size() or target.dtype != part.dtype:
+        stored = planner.metadata.state_dict_metadata[item.storage_index.fqn].properties.dtype
+        if target.size() != part.size() or part.dtype != stored:
             raise CorruptCheckpointError(
                 f"stored chunk {item.storage_index.fqn!r} at {tuple(item.storage_offsets)} "
-                f"is {part.dtype} of shape {tuple(part.size())}, expected {target.dtype} of "
-                f"shape {tuple(target.size())}")
-        target.copy_(part)
+                f"is {part.dtype} of shape {tuple(part.size())}, expected {stored} (as its "
+                f"metadata says) of shape {tuple(target.size())}")
+        target.copy_(part)  # a cast where load(cast=True) allowed one (like's dtype)
         planner.commit_tensor(item, target)
 
 
@@ -180,6 +204,9 @@ def _check_items(plan: LoadPlan, targets: dict[str, _Target], reader: VerifyingR
         if info is None:
             raise CorruptCheckpointError(f"{where} says where {item.storage_index.fqn!r} is "
                                          "stored for none of its chunks read here")
+        if info.transform_descriptors:  # a codec this process cannot undo: before any read
+            transforms_of(info.transform_descriptors,
+                          f"checkpoint {str(reader.path)!r}: {info.relative_path!r}")
         if files is not None and info.relative_path not in files:
             raise CorruptCheckpointError(f"{where} stores {item.storage_index.fqn!r} in "
                                          f"{info.relative_path!r}, a file the commit marker "

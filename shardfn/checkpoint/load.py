@@ -7,7 +7,10 @@ resharding), so a checkpoint of ZeRO-3 on 4 ranks loads into 2 ranks, into
 ZeRO-1 or into one process. Before any data is read the checkpoint must be
 complete (its commit marker), its files must have their sizes, its metadata
 file its checksum, and ``like`` must fit it: one error lists every missing,
-unexpected and mis-shaped leaf. Each data file is read once: its checksum is
+unexpected and mis-shaped leaf (``subtree=``, ``unexpected="ignore"``,
+``missing="keep"`` and ``cast=True`` lift one refusal each, where meant). A
+compressed checkpoint (``save(..., compression=)``) is detected from its
+metadata. Each data file is read once: its checksum is
 checked on the bytes read (by the rank that reads most of it; a file no rank
 reads is checked by one rank), and a mismatch fails the load, naming the file.
 Two rank agreements in all: after planning (locally: no DCP collective), and
@@ -38,7 +41,7 @@ from shardfn.checkpoint.errors import CheckpointMismatchError
 from shardfn.checkpoint.save import _mesh, _world, wait_pending
 from shardfn.mesh import Mesh
 
-__all__ = ["load", "mismatches"]
+__all__ = ["load", "mismatches", "missing_keys"]
 
 _RANK_KEY = re.compile(r"^(.*)@rank\d+$")
 
@@ -53,19 +56,36 @@ def _resolve_path(path: str | os.PathLike) -> str:
     return str(path)
 
 
+def missing_keys(entries: list[Entry], metadata) -> set[str]:
+    """The keys of ``entries`` (``like``'s saved leaves) that the checkpoint does not hold."""
+    stored = metadata.state_dict_metadata
+    return {e.key for e in entries if e.key is not None and e.key not in stored}
+
+
 def mismatches(entries: list[Entry], leaves: list, metadata,
-               elsewhere: tuple[set[str], set[str]] = (set(), set())) -> list[str]:
+               elsewhere: tuple[set[str], set[str]] = (set(), set()), *,
+               missing: str = "error", unexpected: str = "error", cast: bool = False,
+               within: str | None = None) -> list[str]:
     """Every way ``like`` (its entries and leaves) does not fit the checkpoint's metadata.
 
-    ``elsewhere``: the keys and leaf names the other ranks load (a key another rank loads,
-    a pipeline stage's leaf, is not unexpected here).
+    Args:
+        elsewhere: the keys and leaf names the other ranks load (a key another rank loads,
+            a pipeline stage's leaf, is not unexpected here).
+        missing, unexpected, cast: as for :func:`load` (what is allowed).
+        within: only the stored keys under this dotted path can be unexpected (a subtree
+            load).
+
+    Returns:
+        One line per kind of mismatch (empty: ``like`` fits).
     """
     stored = metadata.state_dict_metadata
     wanted = {e.key: (e, x) for e, x in zip(entries, leaves, strict=True) if e.key is not None}
     names = {e.name for e in entries} | elsewhere[1]
-    missing = sorted(k for k in wanted if k not in stored)
-    unexpected = sorted(k for k in stored if k not in wanted and k not in elsewhere[0] and not (
-        _RANK_KEY.match(k) and _RANK_KEY.match(k).group(1) in names))
+    absent = sorted(k for k in wanted if k not in stored) if missing == "error" else []
+    extra = [] if unexpected == "ignore" else sorted(
+        k for k in stored if k not in wanted and k not in elsewhere[0] and not (
+            _RANK_KEY.match(k) and _RANK_KEY.match(k).group(1) in names) and (
+            within is None or k == within or k.startswith(within + ".")))
     wrong = []
     for key, (entry, x) in sorted(wanted.items()):
         md = stored.get(key)
@@ -79,21 +99,28 @@ def mismatches(entries: list[Entry], leaves: list, metadata,
         elif is_tensor and tuple(md.size) != tuple(entry.shape):
             wrong.append(f"{entry.name!r}: shape {tuple(md.size)} in the checkpoint, "
                          f"{tuple(entry.shape)} in like")
-        elif is_tensor and md.properties.dtype != x.dtype:
+        elif is_tensor and md.properties.dtype != x.dtype and not (
+                cast and torch.can_cast(md.properties.dtype, x.dtype)):
             wrong.append(f"{entry.name!r}: dtype {md.properties.dtype} in the checkpoint, "
-                         f"{x.dtype} in like (load, then cast)")
+                         f"{x.dtype} in like " + (
+                             "(cast=True casts only where torch.can_cast allows: not "
+                             "floating into integer, not into bool)" if cast else
+                             "(cast=True casts on load)"))
     out = []
-    if missing:
-        out.append(f"missing (in like, not in the checkpoint): {missing}")
-    if unexpected:
-        out.append(f"unexpected (in the checkpoint, not in like): {unexpected}")
+    if absent:
+        out.append(f"missing (in like, not in the checkpoint): {absent} "
+                   "(missing='keep' keeps like's values)")
+    if extra:
+        out.append(f"unexpected (in the checkpoint, not in like): {extra} "
+                   "(unexpected='ignore' loads the rest; subtree= loads one subtree)")
     if wrong:
         out.append("shape/type: " + "; ".join(wrong))
     return out
 
 
 def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, *,
-         verify: bool = True):
+         verify: bool = True, subtree: str | None = None, missing: str = "error",
+         unexpected: str = "error", cast: bool = False):
     """Load the checkpoint at ``path`` into the structure and layout of ``like``.
 
     Args:
@@ -101,10 +128,24 @@ def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, 
             one is loaded).
         like: the state tree as this run lays it out: local shards of the right shapes
             and dtypes (their values are not used, except where ``layouts`` says
-            :class:`~shardfn.checkpoint.Skip`), and any objects.
+            :class:`~shardfn.checkpoint.Skip` or ``missing="keep"`` keeps them), and
+            any objects.
         mesh: the mesh the layouts refer to (default: the current mesh, if any).
         layouts: layout sources as for :func:`~shardfn.checkpoint.save`, for this run.
         verify: check every file's size and checksum (on the bytes read).
+        subtree: the dotted path of the checkpoint's subtree that ``like`` (and
+            ``layouts``) mirror, e.g. ``"params"``: only it is read, and only its leaves
+            count as unexpected. (An optimizer's state needs its parameters beside it:
+            load ``{"params": ..., "opt": ...}`` with ``unexpected="ignore"`` instead.)
+        missing: ``"error"`` (default) refuses leaves of ``like`` that the checkpoint
+            lacks, naming them; ``"keep"`` returns ``like``'s own values there (a new
+            head, a new optimizer buffer).
+        unexpected: ``"error"`` (default) refuses leaves of the checkpoint that ``like``
+            lacks, naming them; ``"ignore"`` loads the leaves ``like`` has.
+        cast: ``False`` (default) refuses a stored dtype that differs from ``like``'s,
+            naming the leaf and both dtypes; ``True`` casts each stored tensor to
+            ``like``'s dtype where ``torch.can_cast`` allows it (bfloat16 into float32
+            and back, integer into floating; not floating into integer).
 
     Returns:
         A new tree like ``like``: new tensors (``like``'s dtype, device and
@@ -117,7 +158,37 @@ def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, 
 
     Example:
         >>> state = sf.checkpoint.load("ckpt/step_000100", like, layouts={"params": model})
+        >>> params = sf.checkpoint.load("ckpt/step_000100", model.init(1), mesh, model,
+        ...                             subtree="params")   # weights only
     """
+    if missing not in ("error", "keep") or unexpected not in ("error", "ignore"):
+        raise ValueError(f"load: missing={missing!r} (use 'error' or 'keep'), "
+                         f"unexpected={unexpected!r} (use 'error' or 'ignore')")
+    options = {"missing": missing, "unexpected": unexpected, "cast": cast, "within": None}
+    if subtree is None:
+        return _load(path, like, mesh, layouts, verify, options)
+    labels = _subtree_labels(subtree)
+    nested_like, nested_layouts = like, layouts
+    for label in reversed(labels):
+        nested_like = {label: nested_like}
+        nested_layouts = None if nested_layouts is None else {label: nested_layouts}
+    state = _load(path, nested_like, mesh, nested_layouts, verify,
+                  {**options, "within": subtree})
+    for label in labels:
+        state = state[label]
+    return state
+
+
+def _subtree_labels(subtree: str) -> list[str]:
+    labels = subtree.split(".") if isinstance(subtree, str) else []
+    if not labels or not all(labels):
+        raise ValueError(f"load: subtree={subtree!r} is not a dotted path of the state tree "
+                         "(e.g. 'params' or 'opt.mu')")
+    return labels
+
+
+def _load(path, like, mesh: Mesh | None, layouts, verify: bool, options: dict):
+    """:func:`load` with its options (``within``: the subtree's dotted path, or None)."""
     wait_pending()
     path = _resolve_path(path)
     group = checkpoint_group()
@@ -131,10 +202,12 @@ def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, 
         metadata = reader.read_metadata()
         entries = resolve(like, layouts, _mesh(mesh), rank)
         _check_per_rank(entries, manifest, rank, world)
-        targets = {e.key: _Target(e, None) for e in entries if e.key is not None}
+        kept = missing_keys(entries, metadata) if options["missing"] == "keep" else set()
+        targets = {e.key: _Target(e, None) for e in entries
+                   if e.key is not None and e.key not in kept}
         planner = plan = None
         if not mismatches(entries, leaves, metadata, (set(metadata.state_dict_metadata),
-                                                      {e.name for e in entries})):
+                                                      {e.name for e in entries}), **options):
             planner, plan = read_plan(targets, reader, rank)
         outcome.payload = ({e.key for e in entries if e.key is not None},
                            {e.name for e in entries},
@@ -143,13 +216,13 @@ def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, 
     with local() as outcome:
         elsewhere = (set().union(*(k for k, _, _ in everyone)),
                      set().union(*(n for _, n, _ in everyone)))
-        problems = mismatches(entries, leaves, metadata, elsewhere)
+        problems = mismatches(entries, leaves, metadata, elsewhere, **options)
         if problems:
             raise CheckpointMismatchError(f"checkpoint {str(path)!r} does not fit like: "
                                           + " | ".join(problems))
         fresh = []
         for entry, x in zip(entries, leaves, strict=True):
-            if entry.key is None:
+            if entry.key is None or entry.key in kept:  # Skip, or missing="keep"
                 fresh.append(x)
             elif entry.tensor:
                 covered = sum(math.prod(c.sizes) for c in entry.chunks) == x.numel()
@@ -164,9 +237,11 @@ def load(path: str | os.PathLike, like, mesh: Mesh | None = None, layouts=None, 
         reader.assign(*assign_files(data_files, [f for _, _, f in everyone], rank))
         read(planner, plan, reader)
         for i, (entry, x) in enumerate(zip(entries, leaves, strict=True)):
-            if entry.key is not None and not entry.tensor:
+            if entry.key is None or entry.key in kept:
+                continue
+            if not entry.tensor:
                 fresh[i] = targets[entry.key].value
-            elif entry.key is not None and x.requires_grad:  # autograd-style parameters
+            elif x.requires_grad:  # autograd-style parameters
                 fresh[i].requires_grad_(True)
     agree(group, outcome, f"checkpoint load of {str(path)!r} (reading)")
     return pytree.tree_unflatten(treedef, fresh)

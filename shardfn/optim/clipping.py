@@ -25,6 +25,17 @@ to every leaf's set.
 Communication: one scalar all-reduce (ord inf: a scalar all-gather) per distinct
 non-empty axis set.
 
+Gradients that are a shard over an axis their spec does not name are refused
+(``ValueError`` naming the leaf, the axis and ``specs=model.specs``): without the
+specs, each rank would clip by the norm of its own shard, a different, too small
+norm on every rank. What a leaf is comes from :mod:`shardfn.primitives.reduced`:
+``shard_params`` marks the gradient tensors it returns. The check sees those very
+tensors (and views of them, and ``accumulate_grads``' mean of them); a tensor
+computed from them (``g * 2``, an unscaled copy) carries no mark and is not checked.
+Refusing, rather than adding the axis to the reduction, cannot be wrong: a mark
+does not know every axis a leaf is split over (the tp split of FSDP x TP) and must
+not decide which collectives a rank issues.
+
 :func:`clip_grads` is the pure-function form for code coming from
 ``torch.nn.utils.clip_grad_norm_`` / FairScale's ``FSDP.clip_grad_norm_``: it
 returns the clipped tree and the total norm before clipping.
@@ -51,6 +62,7 @@ from shardfn.optim._tree import (
 )
 from shardfn.optim.base import EmptyState, GradientTransformation, check_scalar
 from shardfn.optim.donation import current_donation, writable_in_place
+from shardfn.primitives.reduced import check_layouts
 
 __all__ = ["clip_by_global_norm", "clip_grads", "current_sharded_over", "global_norm",
            "sharded_over"]
@@ -59,6 +71,11 @@ PyTree = Any
 Ord = int | float | str
 
 VALID_ORDS = "1, 2 or inf (float('inf') or \"inf\")"
+
+_FIX = ("Pass the gradients' layouts, e.g. clip_by_global_norm(max_norm, specs=model.specs, "
+        "mesh=mesh), clip_grads(grads, max_norm, model.specs, mesh) or global_norm(grads, "
+        "model.specs, mesh): each leaf's part of the norm is then summed over the mesh axes "
+        "its layout names.")
 
 
 def _check_ord(ord: Any) -> float:
@@ -139,7 +156,9 @@ def global_norm(updates: PyTree, specs: PyTree = None, mesh: Any = None,
         identical on every rank.
 
     Raises:
-        ValueError: for another ``ord``, or a spec leaf that names no axes.
+        ValueError: for another ``ord``, a spec leaf that names no axes, or a leaf that
+            is a shard over a mesh axis its spec does not name (``shard_params``'
+            gradients without ``specs=model.specs``), naming the leaf and the axis.
 
     Example:
         >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([-4.0])})
@@ -147,7 +166,12 @@ def global_norm(updates: PyTree, specs: PyTree = None, mesh: Any = None,
         >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([-4.0])}, ord="inf")
         tensor(4.)
     """
-    ord = _check_ord(ord)
+    return _global_norm(updates, specs, mesh, _check_ord(ord), "global_norm")
+
+
+def _global_norm(updates: PyTree, specs: PyTree, mesh: Any, ord: float,
+                 what: str) -> torch.Tensor:
+    """:func:`global_norm` (``ord`` checked), refusing as ``what`` a shard its spec misses."""
     leaves, _ = flatten_tensors(updates, "updates")
     context_axes, context_mesh = _SHARDED_OVER.get()
     mesh = mesh if mesh is not None else context_mesh
@@ -156,6 +180,8 @@ def global_norm(updates: PyTree, specs: PyTree = None, mesh: Any = None,
         return tuple(sorted(set(axes) | set(context_axes)))
 
     axes_per_leaf = [with_context(a) for a in _axes_per_leaf(specs, updates)]
+    # a shard read as the whole leaf gives each rank its own, too small norm: refused
+    check_layouts(what, leaves, axes_per_leaf, lambda: pytree.tree_paths(updates), _FIX)
     # Every rank must issue the same collectives in the same order, whatever its local
     # leaves: take the axis sets from the spec tree too, and sort them.
     axis_sets = sorted({with_context(()), *axes_per_leaf,
@@ -225,7 +251,8 @@ def clip_by_global_norm(max_norm: float, specs: PyTree = None,
             torch's ``norm_type``.
 
     Returns:
-        A stateless :class:`GradientTransformation`.
+        A stateless :class:`GradientTransformation`; its ``update`` raises ``ValueError``
+        for a gradient shard whose spec does not name its axis (see :func:`global_norm`).
 
     Example:
         >>> opt = chain(clip_by_global_norm(1.0, specs=model.specs), adamw(1e-3))
@@ -238,7 +265,7 @@ def clip_by_global_norm(max_norm: float, specs: PyTree = None,
         return EmptyState()
 
     def update(updates, state, params=None):
-        clipped, _ = _clip(updates, params, max_norm, specs, mesh, ord)
+        clipped, _ = _clip(updates, params, max_norm, specs, mesh, ord, "clip_by_global_norm")
         return clipped, state
 
     return GradientTransformation(init, update)
@@ -266,16 +293,20 @@ def clip_grads(grads: PyTree, max_norm: float, specs: PyTree = None, mesh: Any =
         ``(clipped, total_norm)``: a new tree (``grads`` is not modified) and the scalar
         norm of the unclipped gradients.
 
+    Raises:
+        ValueError: as :func:`global_norm`; ``shard_params``' gradient shards need
+            ``specs=model.specs``.
+
     Example:
         >>> grads, norm = sf.optim.clip_grads(grads, 1.0, model.specs, mesh)
         >>> log(grad_norm=float(norm))
     """
     check_scalar(max_norm, "max_norm")
-    return _clip(grads, None, float(max_norm), specs, mesh, _check_ord(ord))
+    return _clip(grads, None, float(max_norm), specs, mesh, _check_ord(ord), "clip_grads")
 
 
 def _clip(updates: PyTree, params: PyTree, max_norm: float, specs: PyTree, mesh: Any,
-          ord: float) -> tuple[PyTree, torch.Tensor]:
+          ord: float, what: str) -> tuple[PyTree, torch.Tensor]:
     """The clipped tree and the norm before clipping (frozen leaves: zero, not in the norm)."""
     leaves, treedef = flatten_tensors(updates, "updates")
     param_leaves = None
@@ -288,7 +319,7 @@ def _clip(updates: PyTree, params: PyTree, max_norm: float, specs: PyTree, mesh:
                   if is_frozen(u, param_leaves[i] if param_leaves else None) else u
                   for i, u in enumerate(leaves)]
         updates = pytree.tree_unflatten(treedef, leaves)
-    norm = global_norm(updates, specs, mesh, ord)  # collective when sharded: every rank calls it
+    norm = _global_norm(updates, specs, mesh, ord, what)  # collective when sharded: every rank
     if not leaves:
         return updates, norm
     clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -4,7 +4,9 @@ A fingerprint is a JSON-able dict describing one checked call: the op, the
 axis, the tree structure with each leaf's shape and dtype, the static
 arguments and the caller's site (the first frame outside shardfn and torch).
 :func:`digest` hashes everything but the site; :func:`leaf_hash` hashes a
-tensor's bytes for ``check_replicated``. The ``*_message`` functions turn the
+tensor's bytes for ``check_replicated``; :func:`leaf_sketch` and
+:func:`beyond_rounding` tell a value whose bits differ only by rounding from one
+that really differs (values declared replicated). The ``*_message`` functions turn the
 fingerprints the ranks posted into the error text. Everything here is a pure
 function of its arguments (the store is only read); the exchange itself, its
 state and the public checks are in :mod:`shardfn.primitives.consistency`.
@@ -17,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -38,8 +41,10 @@ __all__ = [
     "call_text",
     "comparable",
     "digest",
+    "beyond_rounding",
     "fingerprint",
     "leaf_hash",
+    "leaf_sketch",
     "mismatch_message",
     "replicated_message",
     "timeout_message",
@@ -130,7 +135,7 @@ def first_difference(a: dict, b: dict) -> str:
 
 
 def comparable(fp: dict) -> dict:
-    return {k: v for k, v in fp.items() if k not in ("site", "hashes")}
+    return {k: v for k, v in fp.items() if k not in ("site", "hashes", "sketches")}
 
 
 def digest(fp: dict) -> str:
@@ -191,24 +196,108 @@ def leaf_hash(leaf: Any) -> str:
                 t = t.to("cpu")
                 t = t.to_dense() if t.layout != torch.strided else t  # sparse: its values
                 t = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
-                h.update(memoryview(t.view(torch.uint8).numpy()))
+                h.update(_raw_bytes(t))
     else:
         h.update(repr(leaf).encode())
     return h.hexdigest()
 
 
-def replicated_message(what: str, ax: Axis, seq: int, fps: list[dict]) -> str:
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, read in place through ctypes (no copy).
+
+    Not ``t.numpy()``: it marks the storage it views non-resizable for good, and the
+    caller's storage may be one that is freed by a resize later (shard_params' gathered
+    parameters); a copy instead would add a leaf's size to a check-mode step's memory.
+    ``t`` stays alive (and unchanged) while the caller hashes the view.
+    """
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+# A value declared replicated may differ in its last bits across ranks without a bug: a GPU
+# kernel with atomics sums in another order on each rank. Its sketch tells that apart from a
+# real difference: 64 sums of the values with pseudo-random signs (the same on every rank),
+# whose difference between two ranks estimates the norm of the values' difference.
+SKETCH_BUCKETS = 64
+ROUNDING_RTOL = {torch.float64: 1e-9, torch.complex128: 1e-9, torch.float32: 1e-4,
+                 torch.complex64: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+INIT_HINT = "Did every rank call init with the same seed and pass the same values?"
+
+
+def leaf_sketch(leaf: Any) -> dict | None:
+    """A floating leaf's sketch: ``{"rtol", "norm", "sums", "special"}`` (None: compare bits).
+
+    ``sums`` are :data:`SKETCH_BUCKETS` signed sums of the finite values (element ``i`` goes
+    to bucket ``i % 64`` with a sign drawn from a fixed seed), ``norm`` their 2-norm, and
+    ``special`` a hash of where the NaNs and infinities are.
+    """
+    if not isinstance(leaf, torch.Tensor) or not (leaf.is_floating_point() or leaf.is_complex()):
+        return None
+    with DisableFuncTorch(), torch.no_grad():
+        t = unwrap_functorch(leaf).detach()
+        if t.device.type == "meta" or t.layout != torch.strided:
+            return None
+        t = t.to("cpu").resolve_conj().resolve_neg()
+        flat = (torch.view_as_real(t) if t.is_complex() else t).reshape(-1).double()
+        finite = torch.isfinite(flat)
+        special = torch.where(finite, 0, torch.where(flat.isnan(), 1, torch.sign(flat) + 3))
+        values = torch.where(finite, flat, 0.0)
+        signs = torch.randint(0, 2, values.shape, generator=torch.Generator().manual_seed(0))
+        signed = torch.nn.functional.pad(values * (2.0 * signs - 1), (0, -len(values) % 64))
+        return {"rtol": ROUNDING_RTOL.get(leaf.dtype, 8 * torch.finfo(leaf.dtype).eps),
+                "norm": float(values.norm()), "sums": signed.reshape(-1, 64).sum(0).tolist(),
+                "special": leaf_hash(special.to(torch.int8))}
+
+
+def beyond_rounding(fps: list[dict]) -> dict[int, float]:
+    """``leaf index -> relative difference`` of every leaf whose bits differ across ranks by
+    more than rounding (``inf``: a non-floating leaf, or NaNs/infinities in other places).
+
+    The relative difference is ``|sums_r - sums_0| / max(norm_r, norm_0)`` (the largest over
+    the ranks ``r``); it is beyond rounding above the dtype's :data:`ROUNDING_RTOL`.
+    """
+    out: dict[int, float] = {}
+    for i, first in enumerate(fps[0]["hashes"]):
+        if all(fp["hashes"][i] == first for fp in fps):
+            continue
+        sketches = [fp["sketches"][i] for fp in fps]
+        if any(s is None or s["special"] != sketches[0]["special"] for s in sketches):
+            out[i] = float("inf")
+            continue
+        worst, tolerated = 0.0, True
+        for s in sketches[1:]:
+            gap = sum((a - b) ** 2 for a, b in zip(s["sums"], sketches[0]["sums"],
+                                                   strict=True)) ** 0.5
+            scale = max(s["norm"], sketches[0]["norm"])
+            worst = max(worst, gap / scale if scale > 0 else float("inf"))
+            tolerated = tolerated and gap <= s["rtol"] * scale
+        if not tolerated:
+            out[i] = worst
+    return out
+
+
+def replicated_message(what: str, ax: Axis, seq: int, fps: list[dict], hint: str = INIT_HINT,
+                       differing: dict[int, float] | None = None) -> str:
+    """What differs in a value that must be replicated: the first leaf that differs, which
+    ranks hold which value (and, from :func:`beyond_rounding`, by how much), then ``hint``."""
     per_rank = [fp["hashes"] for fp in fps]
-    differing = [i for i in range(len(per_rank[0])) if len({h[i] for h in per_rank}) > 1]
-    first = differing[0]
+    if differing is None:
+        differing = {i: None for i in range(len(per_rank[0]))
+                     if len({h[i] for h in per_rank}) > 1}
+    first = min(differing)
     name = fps[0]["leaves"][first][0]
     groups: dict[str, list[int]] = {}
     for r, hashes in zip(ax.ranks, per_rank, strict=True):
         groups.setdefault(hashes[first], []).append(r)
     held = "; ".join(f"ranks {rs} hold value {h[:8]}" for h, rs in groups.items())
+    if differing[first] is not None:
+        held += f"; relative difference {differing[first]:.3g}"
+    where = (f"the tensor differs ({held})" if name == "<root>" and len(per_rank[0]) == 1 else
+             f"{len(differing)} of {len(per_rank[0])} leaves differ, the first is {name!r} "
+             f"({held})")
     head = (f"check mode: {what} must be the same on every rank of axis {ax.key!r} (ranks "
-            f"{list(ax.ranks)}) but differ at check #{seq + 1}: {len(differing)} of "
-            f"{len(per_rank[0])} leaves differ, the first is {name!r} ({held}). Did every rank "
-            f"call init with the same seed and pass the same values?")
+            f"{list(ax.ranks)}) but differ at check #{seq + 1}: {where}. {hint}")
     rows = [f"  rank {r}: {what} at {fp['site']}" for r, fp in zip(ax.ranks, fps, strict=True)]
     return "\n".join([head, *rows])

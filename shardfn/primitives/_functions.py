@@ -9,15 +9,16 @@ batched tensor. Callers validate their arguments first (see
 :mod:`shardfn.primitives._collective_args`).
 
 Example:
-    >>> Psum.apply(torch.ones(3), ax, True)   # tensor([2., 2., 2.]) on 2 ranks
+    >>> Psum.apply(torch.ones(3), ax, True, "psum")   # tensor([2., 2., 2.]) on 2 ranks
 """
 
 from __future__ import annotations
 
 import torch
 
-from shardfn.primitives import _comm
+from shardfn.primitives import _comm, consistency
 from shardfn.primitives._comm import Axis
+from shardfn.primitives.declared import cotangent_hint
 
 __all__ = ["AllGather", "AllToAll", "Broadcast", "Ppermute", "Psum", "PsumScatter", "Pvary"]
 
@@ -64,16 +65,26 @@ class _AlongDims(_Collective):
 
 
 class Psum(_Collective):
-    """psum; backward psum (``grad_psum``, the varying rule) or pvary (the invariant rule)."""
+    """psum; backward psum (``grad_psum``, the varying rule) or pvary (the invariant rule).
+
+    ``op`` names the public call for check mode: with the invariant rule the result is
+    declared replicated, so the gradient reaching it must be too (JAX: the cotangent of an
+    invariant value is invariant); check mode verifies that in backward.
+    """
 
     @staticmethod
-    def forward(x, ax: Axis, grad_psum: bool):
+    def forward(x, ax: Axis, grad_psum: bool, op: str):
         return _comm.psum(x, ax)
 
     @staticmethod
     def backward(ctx, grad):
-        ax, grad_psum = ctx.args
-        return (Psum.apply(grad, ax, True) if grad_psum else Pvary.apply(grad, ax)), None, None
+        ax, grad_psum, op = ctx.args
+        if grad_psum:
+            return Psum.apply(grad, ax, True, "psum"), None, None, None
+        if consistency.enabled():
+            consistency.check_replicated(f"the gradient reaching {op}'s output", ax, grad,
+                                         cotangent_hint(op, ax), rounding=True)
+        return Pvary.apply(grad, ax), None, None, None
 
 
 class Pvary(_Collective):
@@ -85,7 +96,7 @@ class Pvary(_Collective):
 
     @staticmethod
     def backward(ctx, grad):
-        return Psum.apply(grad, ctx.args[0], False), None
+        return Psum.apply(grad, ctx.args[0], False, "pvary's backward psum"), None
 
 
 class AllGather(_AlongDims):
@@ -148,7 +159,7 @@ class Broadcast(_Collective):
     @staticmethod
     def backward(ctx, grad):
         ax, src = ctx.args
-        total = Psum.apply(grad, ax, True)
+        total = Psum.apply(grad, ax, True, "psum")
         if ax.index == src:
             return total, None, None
         # zeros that stay in the graph (not zeros_like): a double backward must run the

@@ -25,6 +25,13 @@ gradient once per rank (JAX's ``check_vma`` forms; Megatron's ``f``/``g`` pair):
 * :func:`pvary` — forward identity, backward psum (Megatron ``f``). Use it
   where a replicated value enters per-rank (varying) computation.
 
+Both declare values replicated (JAX: invariant) over the axis: ``pvary``'s input,
+``psum_invariant``/``pmean_invariant``'s output and the gradient reaching that output.
+In check mode each is verified equal on every rank (up to rounding), which catches
+per-rank inputs and a forgotten ``pvary`` after a ``psum_invariant``; ``psum``/``pmean``
+outputs are equal in value too but varying in their gradient rule, and are not checked
+(:mod:`shardfn.primitives.declared`, docs/check_mode.md).
+
 Every function works under ``torch.autograd``, ``torch.func.grad``,
 ``grad_and_value``, ``vjp``, ``vmap`` and their compositions (``vmap(grad)``,
 ``grad(vmap)``, ``jacrev``, double backward, ``jvp``/``jacfwd``/``hessian``):
@@ -72,6 +79,7 @@ from shardfn.primitives._functions import (
     PsumScatter,
     Pvary,
 )
+from shardfn.primitives.declared import output_hint, pvary_hint
 from shardfn.primitives.reduce_scaling import divide_factors
 
 __all__ = ["all_gather", "all_to_all", "axis_index", "axis_size", "broadcast", "pmean",
@@ -107,6 +115,13 @@ def _run(op: str, ax: Axis, tree, prepare: Callable[[str, torch.Tensor], Callabl
     return pytree.tree_unflatten(treedef, [run() for run in work])
 
 
+def _declared_output(op: str, ax: Axis, out):
+    """``out``, after check mode verified it is the same on every rank (it is declared so)."""
+    if consistency.enabled() and ax.size > 1:
+        consistency.check_replicated(f"{op} output", ax, out, output_hint(op, ax), rounding=True)
+    return out
+
+
 def psum(tree, axis: AxisName, *, mesh: Mesh | None = None):
     """Sum every leaf over the ranks of ``axis``; backward is psum (varying rule).
 
@@ -129,18 +144,18 @@ def psum(tree, axis: AxisName, *, mesh: Mesh | None = None):
 
     def prepare(path, x):
         x = summable(x)
-        return lambda: Psum.apply(x, ax, True) if ax.size > 1 else x
+        return lambda: Psum.apply(x, ax, True, "psum") if ax.size > 1 else x
 
     return _run("psum", ax, tree, prepare)
 
 
-def _mean(x: torch.Tensor, ax: Axis, grad_psum: bool) -> torch.Tensor:
+def _mean(x: torch.Tensor, ax: Axis, grad_psum: bool, op: str) -> torch.Tensor:
     """Sum over the axis divided by its size; in fp16/bf16 part of the division comes first
     (FSDP2's factors), so a mean that fits the dtype does not overflow in the sum."""
     pre, post = divide_factors(ax.size, x.dtype)
     if pre != 1:
         x = x / pre
-    return Psum.apply(x, ax, grad_psum) / post
+    return Psum.apply(x, ax, grad_psum, op) / post
 
 
 def pmean(tree, axis: AxisName, *, mesh: Mesh | None = None):
@@ -176,6 +191,11 @@ def psum_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
     Returns:
         The tree of sums.
 
+    Raises:
+        ConsistencyError: in check mode, when the sums differ across the axis, or in
+            backward when the gradient reaching them does (the result fed per-rank
+            computation: a forgotten ``pvary``, or a loss that differs per rank).
+
     Example:
         >>> y = sf.psum_invariant(x @ w_row_shard, "tp")   # row-parallel linear
     """
@@ -183,9 +203,9 @@ def psum_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
 
     def prepare(path, x):
         x = summable(x)
-        return lambda: Psum.apply(x, ax, False) if ax.size > 1 else x
+        return lambda: Psum.apply(x, ax, False, "psum_invariant") if ax.size > 1 else x
 
-    return _run("psum_invariant", ax, tree, prepare)
+    return _declared_output("psum_invariant", ax, _run("psum_invariant", ax, tree, prepare))
 
 
 def pmean_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
@@ -193,7 +213,8 @@ def pmean_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
 
     The loss every rank then computes is counted once: its gradient reaches each rank's
     local value divided by the axis size, not summed. Arguments and dtypes as in
-    :func:`pmean`.
+    :func:`pmean`; check mode verifies the result and its gradient as for
+    :func:`psum_invariant`.
 
     Example:
         >>> loss = sf.pmean_invariant(local_loss, "dp")
@@ -207,9 +228,10 @@ def _mean_over(op: str, tree, axis: AxisName, mesh: Mesh | None, grad_psum: bool
 
     def prepare(path, x):
         check_mean(op, ax, path, x)
-        return lambda: _mean(x, ax, grad_psum) if ax.size > 1 else x
+        return lambda: _mean(x, ax, grad_psum, op) if ax.size > 1 else x
 
-    return _run(op, ax, tree, prepare)
+    out = _run(op, ax, tree, prepare)
+    return out if grad_psum else _declared_output(op, ax, out)
 
 
 def pvary(tree, axis: AxisName, *, mesh: Mesh | None = None):
@@ -223,12 +245,20 @@ def pvary(tree, axis: AxisName, *, mesh: Mesh | None = None):
     Returns:
         The same values.
 
+    Raises:
+        ConsistencyError: in check mode, on every rank, when ``tree`` differs across the
+            axis beyond rounding (it is already varying: drop pvary, or pass the same
+            value on every rank).
+
     Example:
         >>> h = sf.pvary(x, "tp") @ w_column_shard   # column-parallel linear
     """
     ax = _comm.resolve(axis, mesh)
-    return _run("pvary", ax, tree,
-                lambda path, x: lambda: Pvary.apply(x, ax) if ax.size > 1 else x)
+    out = _run("pvary", ax, tree,
+               lambda path, x: lambda: Pvary.apply(x, ax) if ax.size > 1 else x)
+    if consistency.enabled() and ax.size > 1:
+        consistency.check_replicated("pvary input", ax, tree, pvary_hint(ax), rounding=True)
+    return out
 
 
 def all_gather(tree, axis: AxisName, *, dim: int = 0, tiled: bool = True,

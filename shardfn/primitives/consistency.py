@@ -42,7 +42,7 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
@@ -56,10 +56,13 @@ from shardfn.primitives._check_store import polls_files as _polls_files  # noqa:
 from shardfn.primitives._check_store import read_fresh as _read_fresh
 from shardfn.primitives._check_store import wait_keys as _wait_keys
 from shardfn.primitives._fingerprint import (
+    INIT_HINT,
+    beyond_rounding,
     call_text,
     comparable,
     digest,
     fingerprint,
+    leaf_sketch,
     mismatch_message,
     replicated_message,
     timeout_message,
@@ -260,9 +263,11 @@ def _delete_read_keys(store: dist.Store, ranks: tuple[int, ...], keep: str) -> N
     _LIVE[ranks] = [keep]
 
 
-def _exchange(ax: Axis, fp: dict, label: str) -> tuple[int, list[dict] | None]:
+def _exchange(ax: Axis, fp: dict, label: str, details: Callable[[], dict] | None = None
+              ) -> tuple[int, list[dict] | None]:
     """Post ``fp`` as the group's next checked call; ``(call number, None)`` when every rank
-    posted the same, else ``(call number, every rank's fingerprint by rank)``.
+    posted the same, else ``(call number, every rank's fingerprint by rank)``, each with the
+    fields ``details()`` adds (computed only then, on a mismatch).
 
     Raises:
         ConsistencyError: when a rank does not post within the timeout.
@@ -296,7 +301,7 @@ def _exchange(ax: Axis, fp: dict, label: str) -> tuple[int, list[dict] | None]:
         if all(other["digest"] == summary["digest"] for other in summaries):
             return seq, None
         full_keys = [f"{prefix}{seq}/full/{r}" for r in ax.ranks]  # kept: errors are rare
-        store.set(full_keys[ax.ranks.index(rank)], json.dumps(fp))
+        store.set(full_keys[ax.ranks.index(rank)], json.dumps({**fp, **(details or dict)()}))
         _posted(ax.ranks, full_keys[ax.ranks.index(rank)])
         if not _wait_keys(store, full_keys, _TIMEOUT_S):
             rows = [f"  rank {r}: {o['call']} at {o['site']}"
@@ -340,19 +345,25 @@ def check_call(op: str, ax: Axis, tree: Any = None, **static: Any) -> None:
         raise ConsistencyError(mismatch_message(ax, seq, fps, "collective"))
 
 
-def check_replicated(what: str, ax: Axis, tree: Any) -> None:
+def check_replicated(what: str, ax: Axis, tree: Any, hint: str = INIT_HINT, *,
+                     rounding: bool = False) -> None:
     """In check mode, check that ``tree``'s values are the same on every rank of ``ax``.
 
     Used where a value must be replicated: parameters at ``init``/``shard`` (a
-    different seed per rank), a broadcast source. Compares a hash of each leaf's
-    bytes (bitwise: ``-0.0`` and ``0.0`` differ), and names the first leaf that
-    differs and the ranks that disagree. Costs one pass over the bytes (CUDA
-    tensors are copied to the CPU first).
+    different seed per rank), a broadcast source, the values declared replicated
+    (``pvary``'s input, ``psum_invariant``'s output and the gradient reaching it,
+    ``sf.check_replicated``). Compares a hash of each leaf's bytes (bitwise: ``-0.0``
+    and ``0.0`` differ), and names the first leaf that differs and the ranks that
+    disagree. Costs one pass over the bytes (CUDA tensors are copied to the CPU first).
 
     Args:
         what: what is being checked, for the message (``"shard_params.init params"``).
         ax: the axis over which the values must agree.
         tree: a pytree of tensors.
+        hint: the message's last sentence: what the user should do.
+        rounding: let floating leaves whose bits differ pass when they differ by no more
+            than rounding (a sketch of the difference, exchanged only when the bits differ:
+            see :func:`~shardfn.primitives._fingerprint.beyond_rounding`).
 
     Raises:
         ConsistencyError: on every rank of the axis, when values differ.
@@ -363,13 +374,19 @@ def check_replicated(what: str, ax: Axis, tree: Any) -> None:
     if not _active(ax):
         return
     fp = fingerprint(f"check_replicated[{what}]", ax, tree, {})
-    fp["hashes"] = [_leaf_hash(leaf) for leaf in pt.tree_leaves(tree)]
-    seq, fps = _exchange(ax, fp, "check")
+    leaves = pt.tree_leaves(tree)
+    fp["hashes"] = [_leaf_hash(leaf) for leaf in leaves]
+    sketches = (lambda: {"sketches": [leaf_sketch(leaf) for leaf in leaves]}) if rounding \
+        else None
+    seq, fps = _exchange(ax, fp, "check", sketches)
     if fps is None:
         return
     if any(comparable(other) != comparable(fp) for other in fps):
         raise ConsistencyError(mismatch_message(ax, seq, fps, "check"))
-    raise ConsistencyError(replicated_message(what, ax, seq, fps))
+    differing = beyond_rounding(fps) if rounding else None
+    if differing == {}:
+        return  # the bits differ, the values only by rounding: every rank returns here
+    raise ConsistencyError(replicated_message(what, ax, seq, fps, hint, differing))
 
 
 def check_same(what: str, ax: Axis, values: Mapping[str, Any], hint: str = "") -> None:

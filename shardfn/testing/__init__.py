@@ -10,9 +10,11 @@
 """
 
 from shardfn.primitives.stats import heartbeat
+from shardfn.testing.conformance import Conformance, check_model, module_holding
 from shardfn.testing.local_world import LocalWorld, RankError, WorldTimeout, local_world
 from shardfn.testing.matches import (
     COMPARE,
+    GatherWith,
     Trainer,
     assert_sharded_matches,
     gather_with,
@@ -25,16 +27,20 @@ from shardfn.testing.worlds import shared_world
 
 __all__ = [
     "COMPARE",
+    "Conformance",
+    "GatherWith",
     "LocalWorld",
     "RankError",
     "TinyModel",
     "Trainer",
     "WorldTimeout",
     "assert_sharded_matches",
+    "check_model",
     "gather_with",
     "heartbeat",
     "local_world",
     "loss_trainer",
+    "module_holding",
     "shared_world",
     "split_over",
     "state_specs",

@@ -108,7 +108,23 @@ def loss_trainer(params: Any, loss_fn: Callable, *, opt: Any = None,
     return Trainer(state, step, gather)
 
 
-def gather_with(specs: Mapping[str, Any], mesh: Any = None) -> Callable[[dict], dict]:
+class GatherWith(NamedTuple):
+    """:func:`gather_with`'s gather: ``sf.gather`` of the keys of ``specs``, the others kept
+    (the kit refuses a compared key it keeps that holds a gradient shard)."""
+
+    specs: Mapping[str, Any]
+    mesh: Any = None
+
+    def __call__(self, values: dict[str, Any]) -> dict[str, Any]:
+        from shardfn.spec import gather
+
+        for key in [key for key in values if key in self.specs]:
+            _check_marks(key, values[key], self.specs[key], "sf.testing.gather_with")
+        return {key: gather(value, self.specs[key], self.mesh) if key in self.specs else value
+                for key, value in values.items()}
+
+
+def gather_with(specs: Mapping[str, Any], mesh: Any = None) -> GatherWith:
     """A :attr:`Trainer.gather` that applies ``sf.gather`` to the keys of ``specs``.
 
     Args:
@@ -118,17 +134,36 @@ def gather_with(specs: Mapping[str, Any], mesh: Any = None) -> Callable[[dict], 
 
     Returns:
         ``fn(values) -> values`` with those keys gathered and the others as they are.
+        ``fn`` raises ``ValueError`` naming the leaf and the axis for a gradient shard
+        (``shard_params``' gradients, see :mod:`shardfn.primitives.reduced`) whose spec
+        does not name the axis it is sharded over.
 
     Example:
         >>> gather = gather_with({"params": tp.specs, "grads": tp.specs}, mesh)
     """
-    from shardfn.spec import gather
+    return GatherWith(specs, mesh)
 
-    def fn(values: dict[str, Any]) -> dict[str, Any]:
-        return {key: gather(value, specs[key], mesh) if key in specs else value
-                for key, value in values.items()}
 
-    return fn
+def _check_marks(key: str, value: Any, spec_tree: Any, what: str) -> None:
+    """Refuse a leaf of ``value`` that is a shard over an axis its spec (a prefix tree;
+    None: replicated, taken as it is) does not name: it would be compared as the whole
+    tensor. Free while no tensor is marked (:mod:`shardfn.primitives.reduced`)."""
+    import optree
+
+    from shardfn.primitives import reduced
+    from shardfn.spec import Layout, LeafLayout, P, spec_axes
+
+    paths, leaves, _ = optree.tree_flatten_with_path(value, none_is_leaf=True,
+                                                     namespace=pytree.NAMESPACE)
+    if not any(reduced.marks_of(leaves)):
+        return
+    kinds = (P, Layout, LeafLayout)
+    spec_leaves = pytree.broadcast_prefix(spec_tree, value, lambda x: isinstance(x, kinds))
+    axes = [spec_axes(s) if isinstance(s, kinds) else () for s in spec_leaves]
+    reduced.check_layouts(what, leaves, axes,
+                          lambda: [f"{key}[{pytree.path_name(p)!r}]" for p in paths],
+                          f"Gather it with the layout of the model that made it: gather="
+                          f"sf.testing.gather_with({{{key!r}: model.specs, ...}}, mesh).")
 
 
 def state_specs(opt_state: Any, param_specs: Mapping[str, Any]) -> Any:
@@ -194,20 +229,34 @@ def _detached(tree: Any) -> Any:
 
 
 def _run_trainer(trainer: Trainer, batches: Sequence[Any], split: Callable | None,
-                 mesh: Any) -> list[dict[str, Any]]:
-    """Records (init, then one per step) of ``trainer`` on ``batches``, gathered and detached."""
+                 mesh: Any, compared: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Records (init, then one per step) of ``trainer`` on ``batches``, gathered and detached.
+
+    A gradient shard under a ``compared`` key that the gather keeps as it is (no gather,
+    or a :func:`gather_with` without that key) is refused, naming it: it would be compared
+    as the whole tensor. A gather of the user's own is not looked into."""
     gather = trainer.gather or (lambda values: values)
+    kept = (() if trainer.gather is not None and not isinstance(trainer.gather, GatherWith)
+            else [key for key in compared if trainer.gather is None
+                  or key not in trainer.gather.specs])
+
+    def full(values: dict[str, Any]) -> dict[str, Any]:
+        for key in [key for key in kept if key in values]:
+            _check_marks(key, values[key], None, "sf.testing (a leaf compared as it is, not "
+                                                 "gathered)")
+        return _detached(dict(gather(values)))
+
     state = trainer.state
-    records = [_detached(dict(gather(dict(state))))]
+    records = [full(dict(state))]
     for batch in batches:
         local = split(batch, mesh) if split is not None else batch
         state, record = trainer.step(state, local)
-        records.append(_detached(dict(gather({**state, **record}))))
+        records.append(full({**state, **record}))
     return records
 
 
 def _on_rank(make: Callable, mesh_shape: dict[str, int], batches: Sequence[Any],
-             split: Any) -> list[dict[str, Any]]:
+             split: Any, compared: Sequence[str] = ()) -> list[dict[str, Any]]:
     """What every rank runs: build the mesh and the sharded trainer, run the steps."""
     from shardfn.mesh import Mesh
 
@@ -221,7 +270,7 @@ def _on_rank(make: Callable, mesh_shape: dict[str, int], batches: Sequence[Any],
         if not isinstance(trainer, Trainer):
             raise TypeError(f"assert_sharded_matches: sharded(mesh) must return a "
                             f"sf.testing.Trainer, got {type(trainer).__name__}")
-        return _run_trainer(trainer, batches, split, mesh)
+        return _run_trainer(trainer, batches, split, mesh, compared)
 
 
 def _mesh_shape(mesh: Mapping[str, int] | None, n_ranks: int | None) -> dict[str, int]:
@@ -270,7 +319,10 @@ def assert_sharded_matches(sharded: Callable[[Any], Trainer],
     Raises:
         AssertionError: naming the first differing leaf, the record ("init" / "step s"),
             the rank, the max abs/rel error, and a hint for a typical bug.
-        ValueError: for a bad mesh, batch split or compare key.
+        ValueError: for a bad mesh, batch split or compare key; naming the leaf, for a
+            compared gradient shard (``shard_params``' gradients, see
+            :mod:`shardfn.primitives.reduced`) that no ``gather`` gathers, or that
+            :func:`gather_with` gathers with a spec not naming its axis.
 
     Example:
         >>> assert_sharded_matches(make_sharded, make_reference, n_ranks=2,
@@ -297,7 +349,8 @@ def assert_sharded_matches(sharded: Callable[[Any], Trainer],
     ref = reference() if callable(reference) and not isinstance(reference, Trainer) else reference
     expected = _run_trainer(ref, batches, None, None)
     n = math.prod(shape.values())
-    per_rank = _worlds.resolve(world, n).run(_on_rank, sharded, shape, batches, split)
+    per_rank = _worlds.resolve(world, n).run(_on_rank, sharded, shape, batches, split,
+                                             tuple(compare))
     compared = [key for key in compare if any(key in record for record in expected)]
     if not compared:
         raise ValueError(f"assert_sharded_matches: the reference reports none of {compare} "

@@ -18,14 +18,14 @@ a 2-D DeviceMesh whose TP part is DTensor. It is built from two pieces:
 
 The result is a :class:`FsdpTpModel`. Its ``specs`` map each leaf to a
 :class:`FsdpTpLayout` (the TP layout of the full leaf, then the dp layout of the
-TP shard); ``gather_params`` rebuilds the full tree (fused qkv included), and
+TP shard); ``gather`` (``gather_params``) rebuilds the full leaves (fused qkv included), and
 ``sf.optim.clip_by_global_norm(c, model.specs)`` counts every element once.
 
 Example:
     >>> tp = sf.tensor_split(sf.functional(GPT(cfg)), mesh, "tp", gpt_tp_plan())
     >>> model = sf.shard_params(tp, mesh, "dp", units=Block)
     >>> shards = model.init(0); logits = model.apply(shards, tokens)
-    >>> full = model.gather_params(shards)            # == fmodel.init(0)
+    >>> full = model.gather(shards)                   # == fmodel.init(0)
 """
 
 from __future__ import annotations
@@ -33,17 +33,21 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from shardfn._functional_layout import FunctionalNames
 from shardfn.functional import FunctionalModel
 from shardfn.mesh import Mesh
 from shardfn.spec import FusedLayout, Layout, LeafLayout, gather, local_shape, shard, spec_axes
 from shardfn.transforms._tp_checks import check_apply, check_init, checking, value_hashes
 from shardfn.transforms._tp_rng import call_streams
 from shardfn.transforms.tensor_split import TensorSplitModel
+
+if TYPE_CHECKING:  # shard_params imports this module
+    from shardfn.transforms.shard_params.accumulator import AccumulateMode
 
 __all__ = ["FsdpTpLayout", "FsdpTpModel", "TpLocalModel", "copy_sharing_meshes",
            "over_tensor_split", "tp_local_model"]
@@ -82,7 +86,7 @@ class FsdpTpLayout(LeafLayout):
             the TP-local shape (zero-padded), ``P()`` for 0-dim parameters and buffers.
 
     A split of a split is no single ``P``: ``sf.gather``/``sf.shard`` call its
-    ``gather_leaf``/``shard_leaf`` (as ``FsdpTpModel.gather_params`` / ``shard`` do).
+    ``gather_leaf``/``shard_leaf`` (as ``FsdpTpModel.gather`` / ``shard`` do).
     ``sharded_axes`` is what ``clip_by_global_norm`` reads.
 
     Example:
@@ -148,6 +152,10 @@ class TpLocalModel(FunctionalModel):
                    "tensor_split.init (FSDP x TP)")  # check mode: same over tp
         return self.tp.cut(full)
 
+    def params_from(self, module: nn.Module) -> Params:
+        """This rank's TP shards of a materialised (unsplit) module's values."""
+        return self.tp.shard(self.tp.fmodel.params_from(module))
+
     def train(self, mode: bool = True) -> TpLocalModel:
         """A copy in training (or eval) mode, its skeleton's meshes shared."""
         skeleton = copy_sharing_meshes(self.module)
@@ -179,17 +187,23 @@ def tp_local_model(tp: TensorSplitModel) -> TpLocalModel:
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
-class FsdpTpModel:
+class FsdpTpModel(FunctionalNames):
     """ZeRO-3 over ``dp`` of a ``tensor_split`` model's TP shards; see :func:`over_tensor_split`.
 
     Attributes:
-        tp: the :class:`~shardfn.TensorSplitModel` (its ``fmodel`` is the unsplit model).
+        tp: the :class:`~shardfn.TensorSplitModel` (its ``fmodel`` is the unsplit model,
+            ``functional``; ``param_names`` ... ``frozen_names`` are its own).
         sharded: the ``ShardedModel`` of the :class:`TpLocalModel` over ``dp``; its
             ``specs`` (``dp_specs`` here) lay out each TP shard.
     """
 
     tp: TensorSplitModel
     sharded: Any  # a shard_params ShardedModel (of tp_local_model(tp))
+
+    @property
+    def functional(self) -> FunctionalModel:
+        """The unsplit, unsharded functional model (``tp.fmodel``)."""
+        return self.tp.fmodel
 
     @property
     def mesh(self) -> Mesh:
@@ -231,30 +245,55 @@ class FsdpTpModel:
         """
         return self.sharded.init(seed, device)
 
-    def shard(self, full: Mapping[str, torch.Tensor]) -> Params:
-        """This rank's (tp, dp) shards of a full tree (no communication).
+    def shard(self, tree: Mapping[str, torch.Tensor]) -> Params:
+        """This rank's (tp, dp) shards of full leaves, any subset of them (no communication).
+
+        Args:
+            tree: ``name -> full Tensor`` for any of ``functional``'s leaves (its ``init``,
+                a gradient tree, the trainable part).
+
+        Returns:
+            ``name -> local shard`` in ``names`` order; :meth:`gather` is its inverse.
+
+        Raises:
+            TypeError / ValueError: a name that is not a leaf, or a leaf that is not full.
 
         Example:
             >>> shards = model.shard(fmodel.init(0))
         """
-        return self.sharded.shard(self.tp.shard_params_tree(full))
+        return self.sharded.shard(self.tp.shard(tree))
 
-    def gather_params(self, shards: Mapping[str, torch.Tensor]) -> Params:
-        """The full tree from every rank's shards: all-gather over dp, then over tp.
+    def gather(self, shards: Mapping[str, torch.Tensor]) -> Params:
+        """The full leaves from every rank's shards: all-gather over dp, then over tp.
 
         Differentiable; works on gradients and on any subset of the leaves
-        (``split_trainable``'s first part). Every rank must call it.
+        (``split_trainable``'s first part); as ``sf.gather(shards, model.specs, mesh)``.
+        Every rank must call it with the same names.
+
+        Args:
+            shards: ``name -> local (tp, dp) shard`` for any of the leaves.
+
+        Returns:
+            ``name -> full Tensor`` in ``names`` order.
+
+        Raises:
+            TypeError / ValueError: a name that is not a leaf, or a leaf whose shape is
+                not its local shard's.
 
         Example:
-            >>> full = model.gather_params(shards)   # == tp.fmodel.init(0)
+            >>> full = model.gather(shards)   # == tp.fmodel.init(0)
         """
-        unknown = [name for name in shards if name not in self.tp.specs]
-        if unknown:
-            raise ValueError(f"gather_params: not leaves of the model: {unknown}")
-        names = [name for name in self.names if name in shards]
-        dp = self.sharded.specs
-        local = gather({n: shards[n] for n in names}, {n: dp[n] for n in names}, self.mesh)
-        return self.tp.gather_leaves(local)
+        return self.tp.gather_leaves(self.sharded.gather(shards))
+
+    gather_params = gather  # its first name
+
+    def params_from(self, module: nn.Module) -> Params:
+        """This rank's shards of a module's values: ``shard(functional.params_from(module))``.
+
+        Example:
+            >>> shards = model.params_from(net)
+        """
+        return self.shard(self.tp.fmodel.params_from(module))
 
     def apply(self, shards: Mapping[str, torch.Tensor], *args: Any, mutable: bool = False,
               **kwargs: Any) -> Any:
@@ -288,7 +327,7 @@ class FsdpTpModel:
         return self.sharded.merge(trainable, rest)
 
     def accumulate_grads(self, loss_fn: Callable, num_micro_batches: int,
-                         mode: str = "reduce_once") -> Callable:
+                         mode: AccumulateMode = "reduce_once") -> Callable:
         """As ``ShardedModel.accumulate_grads`` (reductions over dp only)."""
         return self.sharded.accumulate_grads(loss_fn, num_micro_batches, mode)
 

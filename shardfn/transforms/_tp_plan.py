@@ -36,14 +36,25 @@ __all__ = ["check_sequence_parallel", "check_tied", "detect_fused", "match_plan"
 
 
 def match_plan(plan: Mapping[str, object], paths: list[str]) -> dict[str, Style]:
+    """``{module path: style}`` for every module a pattern matches.
+
+    The pattern ``""`` is the root module (as torch's ``parallelize_module``); a glob
+    (``"*"``) matches submodules only.
+
+    Raises:
+        ValueError: a pattern that matches no module (the paths listed), a module
+            matched by two patterns (both named), a value that is not a style.
+    """
     styles: dict[str, Style] = {}
     owner: dict[str, str] = {}
     for pattern, value in plan.items():
         style = as_style(value, pattern)
-        matched = [p for p in paths if p and fnmatch.fnmatchcase(p, pattern)]
+        matched = [""] if pattern == "" else \
+            [p for p in paths if p and fnmatch.fnmatchcase(p, pattern)]
         if not matched:
             raise ValueError(f"tensor_split: plan pattern {pattern!r} matches no module; "
-                             f"module paths are {[p for p in paths if p]}")
+                             f"module paths are {[p for p in paths if p]} (and '' for the "
+                             "root module)")
         for path in matched:
             if path in owner:
                 raise ValueError(f"tensor_split: module {path!r} is matched by both "
@@ -61,7 +72,9 @@ def detect_fused(style: Style, path: str, skeleton: nn.Module) -> Style:
         return style
     parent = skeleton.get_submodule(path.rpartition(".")[0])
     head_dim = getattr(parent, "head_dim", None)
-    rows = skeleton.get_submodule(path).out_features
+    rows = getattr(skeleton.get_submodule(path), "out_features", None)
+    if not isinstance(rows, int):
+        return style
     if isinstance(head_dim, int) and head_dim > 0 and rows % (3 * head_dim) == 0:
         return dataclasses.replace(style, fused=3, n_heads=rows // (3 * head_dim))
     return dataclasses.replace(style, fused=3)

@@ -20,9 +20,18 @@ instead of psum, backward all-gather; in :mod:`._tp_styles`). The modules
   through ``sf.pvary``.
 * :class:`SequenceParallel` on a module without parameters (``nn.Dropout``):
   runs it on the chunk with this rank's RNG stream (:mod:`._tp_rng`).
+* :class:`SequenceParallel` on a user-written norm (a module without submodules or
+  buffers whose parameters are vectors over the last dim, e.g. a hand-written
+  RMSNorm or Hugging Face's ``LlamaRMSNorm``): runs it on the chunk with every
+  parameter entered through ``sf.pvary`` (:class:`PvaryParams`), as for the torch norms.
 * :class:`SplitRNG` on a module without parameters: runs it with this rank's
   RNG stream; for dropout on other split activations (attention probabilities
   of the local heads).
+
+Shared inputs (:func:`shared_input`): inside one ``apply`` call, the colwise layers
+that read the *same* tensor (q, k and v of an attention; gate and up of a SwiGLU MLP)
+share one all-gather of it (sequence parallel) or one ``pvary`` (so one psum of its
+gradient in backward), instead of one each.
 
 Example:
     >>> plan = {"blocks.*.ln1": SequenceParallel(), "blocks.*.attn.core": SplitRNG()}
@@ -30,7 +39,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,13 +53,14 @@ from shardfn.mesh import Mesh
 from shardfn.primitives import axis_index, pvary
 from shardfn.transforms._tp_rng import rank_stream
 
-__all__ = ["SequenceParallel", "SplitRNG", "check_sequence", "wrap_sequence"]
+__all__ = ["PvaryParams", "SequenceParallel", "SplitRNG", "check_sequence", "shared_input",
+           "shared_inputs", "wrap_sequence"]
 
 
 @dataclasses.dataclass(frozen=True)
 class SequenceParallel:
-    """Run a LayerNorm / RMSNorm / position Embedding / parameter-free module on this rank's
-    sequence chunk (see the module docstring).
+    """Run a LayerNorm / RMSNorm / user-written norm / position Embedding / parameter-free
+    module on this rank's sequence chunk (see the module docstring).
 
     Attributes:
         sequence_dim: the sequence dim of the activations (``-2`` for ``[..., T, d]``);
@@ -146,6 +159,85 @@ class SequenceParallelEmbedding(nn.Module):
                            scale_grad_by_freq=self.scale_grad_by_freq)
 
 
+class PvaryParams(nn.Module):
+    """Runs a module (its own parameters, same names) with each parameter entered through
+    ``sf.pvary``: the module sees split activations (this rank's chunk or heads), so each
+    parameter's gradient is summed over the axis. ``Replicate(sum_grads=True)`` and
+    ``SequenceParallel()`` on a user-written norm.
+
+    With ``last_dim=True`` (a norm) every parameter must be a vector as long as the
+    input's last dim, checked at the call (the module and both sizes named).
+    """
+
+    def __init__(self, inner: nn.Module, mesh: Mesh, axis: str, path: str, what: str,
+                 last_dim: bool = False):
+        super().__init__()
+        if any(True for _ in inner.children()) or any(True for _ in inner.buffers()):
+            raise ValueError(f"tensor_split: {what} on module {path!r} "
+                             f"({type(inner).__name__}): only a module with parameters and no "
+                             "submodules or buffers (a norm) is supported")
+        for name, param in inner.named_parameters(recurse=False):
+            setattr(self, name, param)
+        self._inner = [inner]  # a list: not a submodule, so the leaf names stay the module's
+        self.mesh, self.axis, self.path, self.last_dim = mesh, axis, path, last_dim
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        inner = self._inner[0]
+        inner.train(self.training)
+        params = dict(self.named_parameters(recurse=False))
+        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if self.last_dim and x is not None:
+            bad = {n: tuple(p.shape) for n, p in params.items()
+                   if x.dim() == 0 or tuple(p.shape) != (x.shape[-1],)}
+            if bad:
+                raise ValueError(f"tensor_split: SequenceParallel on module {self.path!r} "
+                                 f"({type(inner).__name__}) runs a norm whose parameters are "
+                                 f"vectors over the input's last dim ({tuple(x.shape)}), but "
+                                 f"its parameters have shapes {bad}")
+        params = {name: pvary(p, self.axis, mesh=self.mesh) for name, p in params.items()}
+        return torch.func.functional_call(inner, params, args, kwargs)
+
+
+# ---------------------------------------------------------------- shared inputs
+
+#: the inputs entered into split regions in this apply call: (tensor, key, result)
+_SHARED: contextvars.ContextVar[list | None] = contextvars.ContextVar("tp_shared_inputs",
+                                                                     default=None)
+
+
+@contextlib.contextmanager
+def shared_inputs() -> Iterator[None]:
+    """Scope of one ``apply`` call: colwise layers reading the same tensor share its
+    all-gather / pvary (:func:`shared_input`); nothing is kept after the call."""
+    token = _SHARED.set([])
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def shared_input(x: torch.Tensor, key: tuple, enter: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> torch.Tensor:
+    """``enter(x)``, or the result of an earlier ``enter`` of the same tensor object with the
+    same ``key`` (collective, axis, dim, mesh) in this ``apply`` call.
+
+    The tensor must be the same object, unmodified (its version counter), under the same
+    grad mode; the gradients of the uses add up before the one backward collective
+    (one reduce-scatter / psum instead of one per layer). Outside an ``apply`` call (a
+    recomputation in backward) every call enters its own.
+    """
+    cache = _SHARED.get()
+    if cache is None:
+        return enter(x)
+    stamp = (x._version, torch.is_grad_enabled(), *key)
+    for seen, seen_stamp, result in cache:
+        if seen is x and seen_stamp == stamp:
+            return result
+    result = enter(x)
+    cache.append((x, stamp, result))
+    return result
+
+
 def _refuse(module: nn.Module, path: str, style: object, why: str) -> ValueError:
     return ValueError(f"tensor_split: style {style} on module {path!r} ({type(module).__name__}) "
                       f"{why}")
@@ -157,8 +249,8 @@ def wrap_sequence(module: nn.Module, style: SequenceParallel | SplitRNG, mesh: M
 
     Raises:
         ValueError: naming the module, for a module the style cannot run (a module
-            with parameters other than a norm or an embedding; buffers; an
-            embedding with ``max_norm`` or ``sparse``).
+            with submodules or non-vector parameters other than the torch norms or an
+            embedding; buffers; an embedding with ``max_norm`` or ``sparse``).
     """
     if any(True for _ in module.buffers()):
         raise _refuse(module, path, style, "has buffers, which a split region cannot keep "
@@ -175,5 +267,12 @@ def wrap_sequence(module: nn.Module, style: SequenceParallel | SplitRNG, mesh: M
         if module.max_norm is not None or module.sparse:
             raise _refuse(module, path, style, "uses max_norm or sparse, not supported")
         return SequenceParallelEmbedding(module, mesh, axis, path, style.sequence_dim)
+    params = dict(module.named_parameters())
+    children = [name for name, _ in module.named_children()]
+    if not children and all(p.dim() == 1 for p in params.values()):
+        return PvaryParams(module, mesh, axis, path, "SequenceParallel", last_dim=True)
+    shapes = [(name, tuple(p.shape)) for name, p in params.items()][:4]
     raise _refuse(module, path, style, "cannot run on a sequence chunk: SequenceParallel takes "
-                  "nn.LayerNorm, nn.RMSNorm, nn.Embedding (positions) or a parameter-free module")
+                  "nn.LayerNorm, nn.RMSNorm, a norm of your own (no submodules, parameters "
+                  f"vectors over the last dim; this one has submodules {children[:3]} and "
+                  f"parameters {shapes}), nn.Embedding (positions) or a parameter-free module")

@@ -1,10 +1,19 @@
-"""The tensor-parallel styles of :func:`shardfn.tensor_split` and the modules that run them.
+"""The tensor-parallel styles of :func:`shardfn.tensor_split`: what each splits, and checks.
 
 A style says how one module is split over the ``tp`` axis and which collectives
 go around it. Each split module is replaced, in a private copy of the model's
 skeleton, by a wrapper that registers the *same* parameter names (``weight``,
 ``bias``), so leaf names stay ``"blocks.0.mlp.fc1.weight"``; ``functional_call``
-then hands the wrapper this rank's local shards.
+then hands the wrapper this rank's local shards. The wrappers live by kind:
+:mod:`._tp_linear` (``nn.Linear`` / ``Conv1D``), :mod:`._tp_embedding`
+(``nn.Embedding``: vocabulary or embedding dim), :mod:`._tp_sequence` (sequence
+parallel, per-rank RNG, user norms), :mod:`._tp_layouts` (re-layouts of a module's
+inputs and outputs: ``PrepareInput`` / ``PrepareOutput``); :func:`wrap` picks one.
+
+Uneven dims (``Colwise`` / ``Rowwise`` features, ``Vocab`` rows, ``Colwise`` on an
+embedding's dim) are padded as ``sf.shard`` pads (``ceil(d / tp)`` per rank, zeros
+at the end) and the padding is never computed with; fused parts and head counts
+must still divide.
 
 The rules are JAX's for a tensor-parallel region (Megatron's ``f``/``g`` pair):
 
@@ -33,29 +42,30 @@ import dataclasses
 
 import einops
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardfn.mesh import Mesh
-from shardfn.primitives import all_gather, axis_index, psum_invariant, psum_scatter, pvary
 from shardfn.spec import P
-from shardfn.transforms._tp_checks import check_ids
-from shardfn.transforms._tp_sequence import (
-    SequenceParallel,
-    SplitRNG,
-    check_sequence,
-    wrap_sequence,
+from shardfn.transforms._tp_embedding import ColwiseEmbedding, VocabEmbedding
+from shardfn.transforms._tp_layouts import (
+    PrepareInput,
+    PrepareInputOutput,
+    PrepareOutput,
+    install_prepare,
 )
+from shardfn.transforms._tp_linear import ColwiseLinear, RowwiseLinear, features, is_conv1d
+from shardfn.transforms._tp_sequence import PvaryParams, SequenceParallel, SplitRNG, wrap_sequence
 
-__all__ = ["Colwise", "Replicate", "Rowwise", "SequenceParallel", "SplitRNG", "Style", "Vocab",
-           "as_style"]
+__all__ = ["Colwise", "PrepareInput", "PrepareInputOutput", "PrepareOutput", "Replicate",
+           "Rowwise", "SequenceParallel", "SplitRNG", "Style", "Vocab", "as_style", "features",
+           "fused_full", "fused_local", "is_conv1d", "leaf_specs", "wrap"]
 
 
 def check_fields(style: object) -> None:
     """Refuse a style whose fields have the wrong type or range, naming the field."""
     for field in dataclasses.fields(style):
         value = getattr(style, field.name)
-        if field.name in ("gather_output", "sequence_parallel"):
+        if field.name in ("gather_output", "sequence_parallel", "split_input", "sum_grads"):
             ok, want = isinstance(value, bool), "True or False"
         elif field.name == "sequence_dim":
             ok, want = isinstance(value, int) and not isinstance(value, bool), "an int"
@@ -74,6 +84,10 @@ def check_fields(style: object) -> None:
 @dataclasses.dataclass(frozen=True)
 class Colwise:
     """Split an ``nn.Linear``'s output features (weight rows and bias) over the axis.
+
+    Also takes a ``Conv1D`` (GPT-2's ``(in, out)`` weight: its columns are split) and an
+    ``nn.Embedding`` (its embedding dim: the output is split on its last dim, as torch's
+    ``ColwiseParallel`` on an embedding). Uneven output features are padded.
 
     Attributes:
         gather_output: all-gather the output's last dim, so it leaves replicated
@@ -103,16 +117,20 @@ class Rowwise:
 
     The input is this rank's feature slice (what a ``Colwise`` before it gives);
     the partial products are summed with ``psum_invariant`` and the (replicated)
-    bias is added once, after the sum.
+    bias is added once, after the sum. Also takes a ``Conv1D`` (its weight rows).
 
     Attributes:
         sequence_parallel: reduce-scatter the partial products along ``sequence_dim``
             (backward: all-gather) instead of psum; the bias enters through ``sf.pvary``.
         sequence_dim: the sequence dim of the activations (default ``-2``).
+        split_input: the input is replicated (all features); each rank takes its slice
+            (through ``sf.pvary``: the input's gradient is summed over the axis).
+            HF's ``"rowwise_split_input"``.
     """
 
     sequence_parallel: bool = False
     sequence_dim: int = -2
+    split_input: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -140,10 +158,24 @@ class Vocab:
 
 @dataclasses.dataclass(frozen=True)
 class Replicate:
-    """Leave the module whole on every rank (no communication)."""
+    """Leave the module whole on every rank (no communication).
+
+    Attributes:
+        sum_grads: the module runs on split activations (a per-head norm on this rank's
+            heads, as Qwen3's ``q_norm``): its parameters enter through ``sf.pvary``, so
+            their gradients are summed over the axis (HF's
+            ``"replicated_with_grad_allreduce"``). Without it each rank's gradient would
+            be only its heads' part.
+    """
+
+    sum_grads: bool = False
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
-Style = Colwise | Rowwise | Vocab | Replicate | SequenceParallel | SplitRNG
+Style = (Colwise | Rowwise | Vocab | Replicate | SequenceParallel | SplitRNG | PrepareInput
+         | PrepareOutput | PrepareInputOutput)
 _BY_NAME = {"colwise": Colwise, "rowwise": Rowwise, "vocab": Vocab, "replicate": Replicate,
             "sequence_parallel": SequenceParallel, "split_rng": SplitRNG,
             "colwise_sp": lambda: Colwise(sequence_parallel=True),
@@ -158,61 +190,84 @@ def as_style(style: object, pattern: str) -> Style:
     forms (``Colwise(sequence_parallel=True)``, ...), ``"sequence_parallel"`` is
     ``SequenceParallel()`` and ``"split_rng"`` is ``SplitRNG()``.
     """
-    if isinstance(style, Colwise | Rowwise | Vocab | Replicate | SequenceParallel | SplitRNG):
+    if isinstance(style, Style):
         return style
     if isinstance(style, str) and style in _BY_NAME:
         return _BY_NAME[style]()
     raise ValueError(f"tensor_split: plan[{pattern!r}] = {style!r} is not a style; use one of "
                      f"{sorted(_BY_NAME)} or Colwise(...)/Rowwise()/Vocab()/Replicate()/"
-                     "SequenceParallel()/SplitRNG()")
+                     "SequenceParallel()/SplitRNG()/PrepareInput(...)/PrepareOutput(...)/"
+                     "PrepareInputOutput(...)")
 
 
 # ---------------------------------------------------------------- checks and specs
 
 
 def _need(module: nn.Module, kind: type, path: str, style: Style) -> None:
-    if type(module) is not kind:
+    if type(module) is not kind and not (kind is nn.Linear and is_conv1d(module)):
+        also = " or a Conv1D" if kind is nn.Linear else ""
+        also += " or an nn.Embedding" if isinstance(style, Colwise) else ""
         raise ValueError(f"tensor_split: style {style} on module {path!r} needs an "
-                         f"nn.{kind.__name__}, but {path!r} is a {type(module).__name__}")
+                         f"nn.{kind.__name__}{also}, but {path!r} is a {type(module).__name__}")
 
 
 def _divides(path: str, what: str, size: int, parts: int, why: str) -> None:
     if size % parts:
         raise ValueError(f"tensor_split: module {path!r}: {what} = {size} is not divisible "
-                         f"by {parts} ({why}); uneven splits are refused for now")
+                         f"by {parts} ({why}); only plain colwise / rowwise / vocab splits "
+                         "may be uneven (padded)")
+
+
+def _colwise_embedding(module: nn.Embedding, path: str, style: Colwise, axis: str
+                       ) -> dict[str, P]:
+    """Colwise on an ``nn.Embedding``: its embedding dim (weight columns) is split."""
+    if style.fused > 1 or style.n_heads is not None or style.sequence_parallel:
+        raise ValueError(f"tensor_split: module {path!r} (nn.Embedding): {style} splits the "
+                         "embedding dim; fused, n_heads and sequence_parallel are for linear "
+                         "layers (use Vocab(sequence_parallel=True) for sequence parallelism)")
+    if module.max_norm is not None or module.sparse:
+        raise ValueError(f"tensor_split: module {path!r}: Colwise on an nn.Embedding does not "
+                         "support max_norm (it needs whole rows) or sparse")
+    return {"weight": P(None, axis)}
 
 
 def leaf_specs(module: nn.Module, path: str, style: Style, axis: str, tp: int) -> dict[str, P]:
-    """``{leaf name inside the module: spec}`` for a matched module, after checking it fits."""
-    if isinstance(style, Replicate | SequenceParallel | SplitRNG):
+    """``{leaf name inside the module: spec}`` for a matched module, after checking it fits.
+
+    A ``Conv1D``'s weight is ``(in, out)``: colwise splits its dim 1, rowwise its dim 0."""
+    if isinstance(style, Replicate | SequenceParallel | SplitRNG | PrepareInput | PrepareOutput
+                  | PrepareInputOutput):
         return {}
-    if isinstance(style, Vocab):
+    if isinstance(style, Vocab):  # uneven vocabularies are padded (ids never reach the pad)
         _need(module, nn.Embedding, path, style)
-        if module.padding_idx is not None or module.max_norm is not None or module.sparse:
+        if module.max_norm is not None or module.sparse:
             raise ValueError(f"tensor_split: module {path!r}: Vocab does not support "
-                             "padding_idx, max_norm or sparse yet")
-        _divides(path, "num_embeddings", module.num_embeddings, tp, f"size of axis {axis!r}")
+                             "max_norm or sparse yet")
         return {"weight": P(axis, None)}
+    if isinstance(style, Colwise) and type(module) is nn.Embedding:
+        return _colwise_embedding(module, path, style, axis)
     _need(module, nn.Linear, path, style)
-    if isinstance(style, Rowwise):
-        _divides(path, "in_features", module.in_features, tp, f"size of axis {axis!r}")
-        return {"weight": P(None, axis), "bias": P()}
+    conv = is_conv1d(module)
+    _, out_features = features(module)
+    if isinstance(style, Rowwise):  # uneven in_features: padded
+        return {"weight": P(axis, None) if conv else P(None, axis), "bias": P()}
     if style.fused < 1:
         raise ValueError(f"tensor_split: module {path!r}: Colwise(fused={style.fused}) "
                          "must be >= 1")
     if style.fused > 1 and style.gather_output:
         raise ValueError(f"tensor_split: module {path!r}: Colwise(fused=..., gather_output=True) "
                          "is not supported (the gathered parts would be interleaved)")
-    _divides(path, "out_features", module.out_features, style.fused * tp,
-             f"{style.fused} fused parts x size {tp} of axis {axis!r}")
+    if style.fused > 1:  # plain colwise: uneven out_features are padded
+        _divides(path, "out_features", out_features, style.fused * tp,
+                 f"{style.fused} fused parts x size {tp} of axis {axis!r}")
     if style.n_heads is not None:
         if style.n_heads % tp:
             raise ValueError(f"tensor_split: module {path!r}: n_heads = {style.n_heads} is not "
                              f"divisible by the axis size {tp} (axis {axis!r}): each rank "
                              "needs whole heads")
-        _divides(path, "out_features / fused", module.out_features // style.fused,
+        _divides(path, "out_features / fused", out_features // style.fused,
                  style.n_heads, "n_heads")
-    return {"weight": P(axis, None), "bias": P(axis)}
+    return {"weight": P(None, axis) if conv else P(axis, None), "bias": P(axis)}
 
 
 def fused_local(full: torch.Tensor, parts: int, tp: int, rank: int) -> torch.Tensor:
@@ -227,125 +282,22 @@ def fused_full(gathered: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
     return einops.rearrange(gathered, "(tp part rows) ... -> (part tp rows) ...", part=parts, tp=tp)
 
 
-# ---------------------------------------------------------------- the wrappers
-
-
-class _Split(nn.Module):
-    """Holds the wrapped module's own parameter objects under their own names."""
-
-    def __init__(self, inner: nn.Module, mesh: Mesh, axis: str, path: str = "",
-                 sequence_dim: int | None = None):
-        super().__init__()
-        self.weight = inner.weight
-        if hasattr(inner, "bias"):
-            self.bias = inner.bias
-        self.mesh, self.axis, self.inner_type = mesh, axis, type(inner).__name__
-        self.path, self.sequence_dim = path, sequence_dim  # sequence_dim None: not SP
-
-    def extra_repr(self) -> str:
-        sp = "" if self.sequence_dim is None else f", sequence_dim={self.sequence_dim}"
-        return f"{self.inner_type}, axis={self.axis!r}{sp}"
-
-    def _check_features(self, x: torch.Tensor, what: str) -> None:
-        """Refuse an input whose last dim is not the ``in_features`` this rank's weight takes."""
-        features = self.weight.shape[1]
-        if x.dim() == 0 or x.shape[-1] != features:
-            raise ValueError(f"tensor_split: module {self.path!r} ({type(self).__name__} over "
-                             f"{self.axis!r}) takes inputs [..., {features}] ({what}), got "
-                             f"shape {tuple(x.shape)}")
-
-    def _scatter_sequence(self, y: torch.Tensor) -> torch.Tensor:
-        """Sum over the axis and keep this rank's sequence chunk (SP's replacement for g)."""
-        dim = check_sequence(y, self.sequence_dim, self.mesh.size(self.axis), self.path,
-                             self.axis)
-        # contiguous: psum_scatter along a dim other than 0 returns a permuted layout, and a
-        # dropout on it would draw its mask in memory order, not in index order (so the
-        # masks would depend on whether torch.func wraps the tensor)
-        return psum_scatter(y, self.axis, dim=dim, mesh=self.mesh).contiguous()
-
-
-class ColwiseLinear(_Split):
-    """``y_local = pvary(x) @ W_local.T + b_local``; optionally gathered along the last dim.
-
-    Sequence parallel: ``x`` is this rank's sequence chunk, all-gathered along the
-    sequence first (backward: reduce-scatter, which also does ``f``'s sum).
-    """
-
-    def __init__(self, inner: nn.Linear, mesh: Mesh, axis: str, gather_output: bool,
-                 path: str = "", sequence_dim: int | None = None):
-        super().__init__(inner, mesh, axis, path, sequence_dim)
-        self.gather_output = gather_output
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_dim is None:
-            x = pvary(x, self.axis, mesh=self.mesh)
-        else:  # the chunk needs no divisibility check (1): any length gathers
-            dim = check_sequence(x, self.sequence_dim, 1, self.path, self.axis)
-            x = all_gather(x, self.axis, dim=dim, mesh=self.mesh)
-        self._check_features(x, "all of its input features, replicated")
-        y = F.linear(x, self.weight, self.bias)
-        if not self.gather_output:
-            return y
-        # The gathered output is replicated: the transpose keeps this rank's slice of the
-        # gradient (Megatron's split), not all_gather's psum_scatter (which would count
-        # each rank's identical downstream once more).
-        # contiguous: a random op after it draws in memory order (see _scatter_sequence)
-        gathered = all_gather(y.detach(), self.axis, dim=y.dim() - 1, mesh=self.mesh).contiguous()
-        n_local, tp = y.shape[-1], self.mesh.size(self.axis)
-        rank = axis_index(self.axis, mesh=self.mesh)
-        own = F.pad(y - y.detach(), (rank * n_local, (tp - 1 - rank) * n_local))
-        return gathered + own
-
-
-class RowwiseLinear(_Split):
-    """``y = psum_invariant(x_local @ W_local.T) + b``: the bias is added once, after the sum.
-
-    Sequence parallel: ``y = psum_scatter(x_local @ W_local.T, seq) + pvary(b)``.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_features(x, "this rank's slice of its input features, as a colwise layer "
-                                "without gather_output gives it")
-        partial = F.linear(x, self.weight)
-        if self.sequence_dim is None:
-            y = psum_invariant(partial, self.axis, mesh=self.mesh)
-            return y if self.bias is None else y + self.bias
-        y = self._scatter_sequence(partial)
-        return y if self.bias is None else y + pvary(self.bias, self.axis, mesh=self.mesh)
-
-
-class VocabEmbedding(_Split):
-    """Look up the ids in this rank's vocabulary range (zeros elsewhere), then psum_invariant
-    (sequence parallel: psum_scatter along the sequence)."""
-
-    def __init__(self, inner: nn.Embedding, mesh: Mesh, axis: str, path: str = "",
-                 sequence_dim: int | None = None):
-        super().__init__(inner, mesh, axis, path, sequence_dim)
-        self.scale_grad_by_freq = inner.scale_grad_by_freq
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight.shape[0]
-        check_ids(ids, rows * self.mesh.size(self.axis), self.path, self.mesh, self.axis,
-                  self.sequence_dim is not None)
-        start = axis_index(self.axis, mesh=self.mesh) * rows
-        mine = (ids >= start) & (ids < start + rows)
-        local_ids = torch.where(mine, ids - start, torch.zeros_like(ids))
-        looked_up = F.embedding(local_ids, self.weight, scale_grad_by_freq=self.scale_grad_by_freq)
-        looked_up = looked_up * mine.unsqueeze(-1).to(looked_up.dtype)
-        if self.sequence_dim is not None:
-            return self._scatter_sequence(looked_up)
-        return psum_invariant(looked_up, self.axis, mesh=self.mesh)
-
-
 def wrap(module: nn.Module, style: Style, mesh: Mesh, axis: str, path: str = "") -> nn.Module:
-    """The module that runs ``module`` under ``style`` (``module`` itself for Replicate)."""
+    """The module that runs ``module`` under ``style`` (``module`` itself for Replicate, and
+    for the Prepare styles, with their re-layouts as forward hooks)."""
+    if isinstance(style, PrepareInput | PrepareOutput | PrepareInputOutput):
+        return install_prepare(module, style, mesh, axis, path)
     if isinstance(style, SequenceParallel | SplitRNG):
         return wrap_sequence(module, style, mesh, axis, path)
     if isinstance(style, Replicate):
-        return module
+        if not style.sum_grads:
+            return module
+        return PvaryParams(module, mesh, axis, path, "Replicate(sum_grads=True)")
     sequence_dim = style.sequence_dim if style.sequence_parallel else None
+    if isinstance(style, Colwise) and type(module) is nn.Embedding:
+        return ColwiseEmbedding(module, mesh, axis, style.gather_output, path)
     if isinstance(style, Colwise):
         return ColwiseLinear(module, mesh, axis, style.gather_output, path, sequence_dim)
     if isinstance(style, Rowwise):
-        return RowwiseLinear(module, mesh, axis, path, sequence_dim)
+        return RowwiseLinear(module, mesh, axis, path, sequence_dim, style.split_input)
     return VocabEmbedding(module, mesh, axis, path, sequence_dim)

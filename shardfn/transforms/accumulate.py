@@ -71,12 +71,12 @@ def accumulate_grads(grad_fn: Callable, num_micro_batches: int) -> Callable:
         total, marks = None, []
         for micro in split_batch(batch, num_micro_batches):
             out = grad_fn(params, micro, *rest)
-            if total is None:  # gradients already reduced (shard_params') stay marked so
-                marks = marks_of(pytree.tree_leaves(out))
+            if total is None:  # shard_params' gradient shards stay marked (what they are:
+                marks = marks_of(pytree.tree_leaves(out))  # reduced and sharded over its axis)
             total = out if total is None else pytree.tree_map(torch.add, total, out)
             del out  # only the running sum stays alive between micro-batches
         mean = pytree.tree_map(lambda t: t / num_micro_batches, total)
-        carry_marks(marks, pytree.tree_leaves(mean))  # (a second reduction refuses them)
+        carry_marks(marks, pytree.tree_leaves(mean))  # refused by a 2nd reduction, a clip...
         return mean
 
     return fn

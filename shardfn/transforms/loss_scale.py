@@ -29,11 +29,12 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from shardfn import pytree
 from shardfn.mesh import AxisName, Mesh
+from shardfn.optim._compose import is_sharded
 from shardfn.optim.base import GradientTransformation
-from shardfn.optim.clipping import current_sharded_over
 
 __all__ = [
     "LossScaler",
@@ -168,12 +169,7 @@ def all_finite(tree, axes: AxisName | tuple[()] = (), *, mesh: Mesh | None = Non
         >>> all_finite({"w": torch.tensor([1.0, float("inf")])})
         False
     """
-    # complex leaves too: torch.isfinite is False where the real or imaginary part is inf/nan
-    leaves = [x for x in pytree.tree_leaves(tree)
-              if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())]
-    bad = torch.zeros((), dtype=torch.float32)
-    for leaf in leaves:
-        bad = bad + (~torch.isfinite(leaf)).sum().to(torch.float32).cpu()
+    bad = _nonfinite_count(tree)
     if axes:
         from shardfn.primitives import psum
 
@@ -187,25 +183,47 @@ class _SkipState(NamedTuple):
     skipped: torch.Tensor  # int64 scalar: steps skipped so far
 
 
+def _nonfinite_count(tree) -> torch.Tensor:
+    """The number of inf/NaN elements of the floating and complex leaves (a CPU float32)."""
+    # complex leaves too: torch.isfinite is False where the real or imaginary part is inf/nan
+    leaves = [x for x in pytree.tree_leaves(tree)
+              if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())]
+    bad = torch.zeros((), dtype=torch.float32)
+    for leaf in leaves:
+        bad = bad + (~torch.isfinite(leaf)).sum().to(torch.float32).cpu()
+    return bad
+
+
+def _finite_on_every_rank(grads) -> bool:
+    """:func:`all_finite` of this rank's ``grads``, summed over the default process group
+    (every process gets the same answer; local when torch.distributed is not initialised)."""
+    bad = _nonfinite_count(grads)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        nccl = dist.get_backend() == "nccl"
+        on_device = bad.to(torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+        with torch.no_grad():
+            dist.all_reduce(on_device)
+        bad = on_device.cpu()
+    return bool(bad == 0)
+
+
 def skip_nonfinite(opt: GradientTransformation) -> GradientTransformation:
     """Wrap ``opt`` so a step with non-finite gradients changes nothing.
 
     ``update(grads, state, params, finite=...)``: when ``finite`` is False the
     updates are zeros and the wrapped state is returned unchanged (so moments and
     step counts do not advance), like ``GradScaler.step`` skipping
-    ``optimizer.step()``. ``finite`` defaults to a check that holds on every rank
-    together, in both orders of composition with ``shard_opt_state``:
-
-    * ``shard_opt_state(skip_nonfinite(opt), mesh, "dp")``: the check runs on this
-      rank's reduced gradient part and is reduced over the sharded axis (one scalar
-      psum), so one rank's inf skips the step on every rank;
-    * ``skip_nonfinite(shard_opt_state(opt, mesh, "dp"))``: the check runs on the local
-      (unreduced) gradients and is reduced over the axis the same way, so no rank skips
-      the collectives the others enter.
-
-    Elsewhere the default is a local check; for gradients sharded some other way pass
-    the result of :func:`all_finite` reduced over the sharding axes. Extra keywords
-    (``weight=``) are passed to ``opt.update``.
+    ``optimizer.step()``. ``finite`` defaults to a check that every process agrees on:
+    this rank's inf/NaN count summed over the whole default process group (one scalar
+    all-reduce per step, as FSDP's ``ShardedGradScaler`` does), so whatever the
+    gradients are (shard_params or tensor_split shards, pipeline stages, a
+    ``shard_opt_state`` part) one rank's inf skips the step on every rank, and none
+    skips a collective the others enter. Pass ``finite=`` (e.g. :func:`all_finite`
+    over chosen axes) to agree over fewer ranks. ``skip_nonfinite(shard_opt_state(opt,
+    mesh, "dp"))`` composes by type: it *is* ``shard_opt_state(skip_nonfinite(opt),
+    mesh, "dp")`` (one sharded optimizer, so ``chain(clip,
+    skip_nonfinite(shard_opt_state(...)))`` still clips the reduced gradients, issue
+    #23). Extra keywords (``weight=``) are passed to ``opt.update``.
 
     Args:
         opt: the optimizer to guard.
@@ -217,18 +235,15 @@ def skip_nonfinite(opt: GradientTransformation) -> GradientTransformation:
         >>> opt = skip_nonfinite(sf.optim.adamw(1e-3))
     """
 
-    sharded_check = getattr(opt, "all_finite", None)  # a shard_opt_state optimizer's
+    if is_sharded(opt):  # the check goes inside the one sharded optimizer
+        return opt.rewrap(skip_nonfinite(opt.inner))
 
     def init(params) -> _SkipState:
         return _SkipState(opt.init(params), torch.zeros((), dtype=torch.int64))
 
     def update(grads, state: _SkipState, params=None, *, finite=None, **kwargs):
         if finite is None:
-            if sharded_check is not None:  # wrapping shard_opt_state: every rank's grads
-                finite = sharded_check(grads)
-            else:  # inside shard_opt_state: grads are this rank's part; reduce the answer
-                axes, mesh = current_sharded_over()
-                finite = all_finite(grads, axes if axes else (), mesh=mesh)
+            finite = _finite_on_every_rank(grads)
         if not bool(finite):
             # zero updates shaped like the params (grads may be reduced pieces, ReducedGrads)
             zeros = pytree.tree_map(torch.zeros_like, grads if params is None else params)

@@ -44,6 +44,7 @@ import torch
 
 from shardfn import pytree
 from shardfn._functional_leaves import refuse_differentiated_state
+from shardfn.transforms.remat_model import remat_model, split_remat
 
 __all__ = ["Precision", "cast_floating", "split_precision", "takes_precision", "with_precision"]
 
@@ -113,11 +114,63 @@ def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class _PrecisionModel:
+    """``with_precision(inner, policy)``: ``apply`` computes under ``policy``; every other
+    member of the model protocol (:mod:`shardfn.model`) is ``inner``'s (the leaves, their
+    layouts, shard/gather are the master ones), and other attributes pass through."""
+
     inner: Any
     policy: Precision
 
+    @property
+    def functional(self) -> Any:
+        """``inner.functional``: the unsharded model (without the policy)."""
+        return self.inner.functional
+
+    @property
+    def mesh(self) -> Any:
+        return self.inner.mesh
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.inner.names
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return self.inner.param_names
+
+    @property
+    def buffer_names(self) -> tuple[str, ...]:
+        return self.inner.buffer_names
+
+    @property
+    def trainable_names(self) -> tuple[str, ...]:
+        return self.inner.trainable_names
+
+    @property
+    def frozen_names(self) -> tuple[str, ...]:
+        return self.inner.frozen_names
+
+    @property
+    def specs(self) -> Any:
+        return self.inner.specs
+
     def init(self, seed: int, *args, **kwargs):
         return self.inner.init(seed, *args, **kwargs)
+
+    def params_from(self, module):
+        return self.inner.params_from(module)
+
+    def shard(self, tree):
+        return self.inner.shard(tree)
+
+    def gather(self, tree):
+        return self.inner.gather(tree)
+
+    def split_trainable(self, params):
+        return self.inner.split_trainable(params)
+
+    def merge(self, trainable, rest):
+        return self.inner.merge(trainable, rest)
 
     def apply(self, params, *args, mutable: bool = False, **kwargs):
         policy = self.policy  # checked before the cast, which may leave no_grad copies
@@ -150,7 +203,7 @@ class _PrecisionModel:
         """Same as ``train(False)``."""
         return self.train(False)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # other attributes (``module``, ``check``, ``tp`` ...)
         return getattr(self.inner, name)
 
 
@@ -218,7 +271,7 @@ def with_precision(model: Any, policy: Precision) -> Any:
     ``shard_params(fm, mesh, "dp", precision=p)`` are one model (every field of ``p``
     honoured: all-gathers in ``param_dtype``, reductions in ``reduce_dtype``).
     ``sf.tensor_split(with_precision(fm, p), ...)`` is ``with_precision(sf.tensor_split(fm,
-    ...), p)``.
+    ...), p)``; ``with_precision(sf.remat(m, r), p)`` is ``sf.remat(with_precision(m, p), r)``.
 
     Args:
         model: anything with ``init`` and ``apply(params, *args, **kwargs)``
@@ -242,6 +295,10 @@ def with_precision(model: Any, policy: Precision) -> Any:
     """
     if not isinstance(policy, Precision):
         raise TypeError(f"policy must be a shardfn Precision, got {type(policy).__name__}")
+    inner, remat_policy = split_remat(model)  # with_precision(remat(m, r), p) is
+    if remat_policy is not None:  # remat(with_precision(m, p), r): remat outermost
+        under = with_precision(inner, policy)
+        return model if under is inner else remat_model(under, remat_policy)
     current = _model_policy(model)
     if current == policy:
         return model  # already under this policy: applying it again means nothing new

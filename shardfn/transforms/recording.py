@@ -232,6 +232,7 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         self.check_closure(func, args, kwargs)
         self._note_input_writes(func, args, kwargs)
+        self._forget_written(func, args, kwargs)
         out = func(*args, **kwargs)
         if func in self.uncounted:
             return out
@@ -282,6 +283,23 @@ class Recorder(TorchDispatchMode):
         sources = [f for f, _ in fn.next_functions if f is not None]
         return (len(sources) == 1 and hasattr(sources[0], "variable")
                 and storage_ptr(sources[0].variable) in self.input_storages)
+
+    def _forget_written(self, func, args, kwargs) -> None:
+        """Drop a saved output that ``func`` writes in place: its replay would hand back the
+        written value. Declared writes bump the version ``Saved.finish`` checks; BatchNorm's
+        running statistics (:data:`UNDECLARED_WRITES`) do not, so this catches them."""
+        undeclared = UNDECLARED_WRITES.get(func)
+        if undeclared is None or not self.saved:
+            return
+        for position in undeclared:
+            t = args[position] if position < len(args) else None
+            if not isinstance(t, torch.Tensor):
+                continue
+            record = self.producers.get(t)
+            if record is None and t._base is not None:
+                record = self.producers.get(t._base)
+            if record is not None:
+                self.saved.pop(record[0], None)
 
     def _note_input_writes(self, func, args, kwargs) -> None:
         if not self.input_storages:

@@ -66,6 +66,7 @@ from shardfn import _torch_internals as ti
 from shardfn.primitives import autocast_state
 from shardfn.transforms import recording
 from shardfn.transforms.recording import CASTS, Offload, Policy, Recorder, Replayer, Saved
+from shardfn.transforms.remat_model import RematModel, is_model, remat_model, rematerialise_with
 
 __all__ = [
     "Offload",
@@ -378,12 +379,15 @@ class _RematFunction(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- remat
-def remat(fn: Callable, policy: Policy = nothing_saveable) -> Callable:
+def remat(fn: Callable | Any, policy: Policy = nothing_saveable) -> Callable | RematModel:
     """Wrap ``fn`` so that its backward recomputes its intermediates (activation checkpointing).
 
     Works under ``torch.func.grad`` / ``grad_and_value`` / ``vjp`` / ``vmap`` and
     plain ``torch.autograd``; gradients flow to every floating tensor leaf of the
     arguments (params dicts, activations). Random ops replay the same values.
+    Of a model (``init``, ``apply``, ``names``: any kind) it returns a
+    :class:`~shardfn.transforms.remat_model.RematModel` whose ``apply`` is
+    rematerialised whole (composition by type: docs/composing.md, docs/remat.md).
 
     Memory per call, from forward to backward: ``fn``'s tensor arguments plus the
     outputs the policy saves; during backward one recomputation of ``fn`` is
@@ -392,24 +396,35 @@ def remat(fn: Callable, policy: Policy = nothing_saveable) -> Callable:
 
     Args:
         fn: a pure function of tensors / pytrees of tensors (non-tensor leaves are
-            passed through unchanged) returning a tensor or a pytree.
+            passed through unchanged) returning a tensor or a pytree; or a model.
         policy: which op outputs to keep instead of recomputing, e.g.
             ``checkpoint_policies.dots_saveable``; default: save nothing.
 
     Returns:
-        A function with ``fn``'s signature, values and gradients.
+        A function with ``fn``'s signature, values and gradients (a model: the
+        ``RematModel``; ``fn`` itself when it is one under ``policy`` already).
+
+    Raises:
+        TypeError: ``fn`` is neither callable nor a model, or ``policy`` is not callable.
+        ValueError: ``fn`` is a ``RematModel`` under another policy.
 
     Example:
         >>> def block(p, x):
         ...     return x + torch.tanh(x @ p["w1"]) @ p["w2"]
         >>> fast = sf.remat(block, policy=sf.checkpoint_policies.dots_saveable)
         >>> grads = torch.func.grad(lambda p, x: fast(p, x).sum())(params, x)
+        >>> model = sf.remat(sf.functional(net))   # model.apply recomputed in backward
     """
-    if not callable(fn):
-        raise TypeError(f"remat: fn must be callable, got {type(fn).__name__}")
     if not callable(policy):
         raise TypeError(f"remat: policy must be a function (op, name) -> bool | Offload, "
                         f"e.g. checkpoint_policies.dots_saveable; got {policy!r}")
+    return remat_model(fn, policy) if is_model(fn) else _remat_function(fn, policy)
+
+
+def _remat_function(fn: Callable, policy: Policy = nothing_saveable) -> Callable:
+    """:func:`remat` of a function."""
+    if not callable(fn):
+        raise TypeError(f"remat: fn must be callable or a model, got {type(fn).__name__}")
 
     @functools.wraps(fn)
     def rematerialised(*args, **kwargs):
@@ -425,5 +440,6 @@ def remat(fn: Callable, policy: Policy = nothing_saveable) -> Callable:
 
 
 # layers that checkpoint themselves (Hugging Face's gradient_checkpointing_enable()) run as
-# remat inside sf.functional / shard_params / tensor_split calls
-_functional_swap.checkpoint_layers_with(remat)
+# remat inside sf.functional / shard_params / tensor_split calls; a RematModel's apply too
+_functional_swap.checkpoint_layers_with(_remat_function)
+rematerialise_with(_remat_function)

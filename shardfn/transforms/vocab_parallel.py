@@ -19,6 +19,9 @@ replicated and counted once, so the gradient w.r.t. the local logits is
 computed by autograd from these differentiable collectives: correct under
 ``torch.func.grad`` / ``vjp`` and plain autograd.
 
+Class weights (``weight=[V]``, as ``F.cross_entropy``): each token's loss is scaled by
+its target's weight, looked up locally (the targets are global ids).
+
 Communication per call: an all-gather of ``n`` values per token and one
 all-reduce of 2 values per token; never the ``[tokens, V]`` logits.
 """
@@ -33,7 +36,7 @@ from shardfn._torch_internals import unwrap_functorch
 from shardfn.mesh import Mesh
 from shardfn.primitives import all_gather, axis_index, axis_size, psum_invariant
 
-__all__ = ["vocab_parallel_cross_entropy"]
+__all__ = ["vocab_parallel_causal_lm_loss", "vocab_parallel_cross_entropy"]
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -47,11 +50,13 @@ def vocab_parallel_cross_entropy(
     vocab_size: int | None = None,
     ignore_index: int = -100,
     reduction: str = "mean",
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cross entropy of logits split on their last (vocabulary) dim over ``axis``.
 
     Equals ``torch.nn.functional.cross_entropy`` of the full logits (flattened to
-    ``[tokens, V]``) with the same ``ignore_index`` and ``reduction``, on every rank.
+    ``[tokens, V]``) with the same ``ignore_index``, ``reduction`` and ``weight``, on
+    every rank.
     fp16/bf16 logits are computed in float32 and the loss returned in their dtype.
 
     Args:
@@ -64,13 +69,18 @@ def vocab_parallel_cross_entropy(
         ignore_index: targets with this value add nothing to the loss or the count.
         reduction: ``"mean"`` (over non-ignored targets), ``"sum"`` or ``"none"``
             (shape of ``targets``, 0 where ignored).
+        weight: class weights ``[V]`` over the whole vocabulary (replicated, as
+            ``F.cross_entropy``'s ``weight``): each token's loss is scaled by the weight
+            of its target, and ``"mean"`` divides by the sum of those weights (not the
+            count). No extra communication: the targets are global ids.
 
     Returns:
         The loss, replicated over ``axis`` (the gradient counts it once).
 
     Raises:
         ValueError: shapes that do not match, a ``vocab_size`` inconsistent with
-            ``V_local``, an out-of-range target, an unknown reduction.
+            ``V_local``, a ``weight`` that is not ``[V]``, an out-of-range target, an
+            unknown reduction.
 
     Example:
         >>> with sf.Mesh({"tp": 2}):
@@ -95,6 +105,13 @@ def vocab_parallel_cross_entropy(
                          f"V_local={local_vocab} on axis {axis!r} of size {n}: V_local must be "
                          f"ceil(vocab_size / {n}), i.e. vocab_size in "
                          f"({(local_vocab - 1) * n}, {local_vocab * n}]")
+    if weight is not None and (not isinstance(weight, torch.Tensor) or weight.dim() != 1
+                               or weight.shape[0] != vocab or not weight.is_floating_point()):
+        raise ValueError(f"vocab_parallel_cross_entropy: weight must be a floating tensor of "
+                         f"the whole vocabulary's class weights [{vocab}] (not this rank's "
+                         f"slice of {local_vocab}), got "
+                         f"{getattr(weight, 'dtype', type(weight).__name__)} "
+                         f"{tuple(getattr(weight, 'shape', ()))}")
     valid = targets != ignore_index
     plain = unwrap_functorch(targets)  # under vmap: every batch element's ids, checked at once
     out_of_range = (plain != ignore_index) & ((plain < 0) | (plain >= vocab))
@@ -127,11 +144,74 @@ def vocab_parallel_cross_entropy(
     sums = psum_invariant(torch.stack([shifted.exp().sum(dim=-1), picked], dim=-1), axis,
                           mesh=mesh)
     per_token = torch.where(valid, sums[..., 0].log() - sums[..., 1], 0.0)
+    if weight is None:
+        count = valid.sum()
+    else:  # as F.cross_entropy: the target's weight scales its loss and the mean's divisor
+        target_weight = torch.where(valid, weight.to(per_token.dtype)[torch.where(
+            valid, targets, 0).long()], 0.0)
+        per_token = per_token * target_weight
+        count = target_weight.sum()
 
     if reduction == "none":
         loss = per_token
     elif reduction == "sum":
         loss = per_token.sum()
     else:
-        loss = per_token.sum() / valid.sum()
+        loss = per_token.sum() / count
     return loss.to(out_dtype)
+
+
+def vocab_parallel_causal_lm_loss(
+    local_logits: torch.Tensor,
+    labels: torch.Tensor,
+    axis: str = "tp",
+    *,
+    mesh: Mesh | None = None,
+    vocab_size: int | None = None,
+    ignore_index: int = -100,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    shift_labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Hugging Face's causal-LM loss (``ForCausalLMLoss``) of vocab-parallel logits.
+
+    As ``model(input_ids, labels=labels).loss``: the labels are shifted by one inside
+    (position ``t`` predicts ``labels[t + 1]``; the last position predicts nothing),
+    ``ignore_index`` labels add nothing, the logits are upcast to float32, and the loss is
+    the mean over the counted tokens, or their sum divided by ``num_items_in_batch``
+    (the tokens of the whole accumulated batch, as HF's ``Trainer`` passes it).
+
+    Args:
+        local_logits: ``[batch, seq, V_local]``, this rank's vocabulary slice (a colwise
+            ``lm_head`` without ``gather_output``).
+        labels: ``[batch, seq]`` token ids or ``ignore_index`` (unshifted, as HF takes them).
+        axis: the mesh axis the vocabulary is split over.
+        mesh: overrides the current mesh.
+        vocab_size: the true vocabulary size when padded (see
+            :func:`vocab_parallel_cross_entropy`).
+        ignore_index: labels with this value are not counted.
+        num_items_in_batch: divide the summed loss by this instead of taking the mean.
+        shift_labels: labels already shifted (HF's ``shift_labels``); ``labels`` is then
+            not used.
+
+    Returns:
+        The float32 loss, replicated over ``axis``; equal to HF's loss of the full logits.
+
+    Raises:
+        ValueError: as :func:`vocab_parallel_cross_entropy` (shapes, out-of-range labels).
+
+    Example:
+        >>> logits = tp.apply(params, input_ids=ids).logits        # lm_head "colwise"
+        >>> loss = sf.vocab_parallel_causal_lm_loss(logits, ids, "tp")
+    """
+    if shift_labels is None:
+        padded = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = padded[..., 1:]
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = vocab_parallel_cross_entropy(local_logits.float(), shift_labels, axis, mesh=mesh,
+                                        vocab_size=vocab_size, ignore_index=ignore_index,
+                                        reduction=reduction)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss

@@ -51,11 +51,15 @@ def build(order: str, clip: float, shard):
     if order == "injected":
         injected = optim.inject_hyperparams(optim.adamw)(learning_rate=3e-2, weight_decay=0.1)
         return optim.chain(clip_t, shard(injected))
+    if order == "skip_in_chain":  # skip_nonfinite over a sharded optimizer is one too
+        from shardfn.transforms.loss_scale import skip_nonfinite
+
+        return optim.chain(clip_t, skip_nonfinite(shard(adamw)))
     raise AssertionError(order)
 
 
 ORDERS = ["clip_first", "middle", "clip_after", "both_sharded", "masked", "multi", "multi_dict",
-          "injected"]
+          "injected", "skip_in_chain"]
 
 
 def _train(order: str, clip: float, n: int, shape, seed: int, sharded: bool):
@@ -100,6 +104,17 @@ def test_compositions_over_a_sharded_optimizer_equal_the_unsharded(worlds, order
         # the gathered state has the unsharded composition's structure and values
         assert sf.pytree.tree_structure(state) == sf.pytree.tree_structure(expected_state)
         assert_close(state, expected_state, msg=lambda m, w=where: f"{w} state: {m}")
+
+
+def test_clip_over_skip_nonfinite_of_a_sharded_optimizer_sees_the_reduced_gradient(worlds):
+    """``chain(clip, skip_nonfinite(shard_opt_state(adamw)))``: the skip wrapper keeps the
+    sharded optimizer visible to ``chain`` (it is ``shard_opt_state(skip_nonfinite(adamw))``),
+    so the clip sees the averaged gradient, not each rank's own (the clip is tight)."""
+    shape = (7, 3, 2)
+    expected, expected_state = _train("skip_in_chain", 0.05, 2, shape, 4, sharded=False)
+    for params, state in worlds(2).run(_train, "skip_in_chain", 0.05, 2, shape, 4, True):
+        assert_close(params, expected)
+        assert_close(state, expected_state)
 
 
 def test_clip_must_see_the_averaged_gradient():

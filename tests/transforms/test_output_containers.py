@@ -377,7 +377,7 @@ def test_hf_decoder_layer_units_with_a_cache_refuse_clearly():
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     sp = sf.shard_params(fm, sf.Mesh({"dp": 1}), "dp", units=LlamaDecoderLayer)
     with pytest.raises(ValueError, match="use_cache=False"):
-        _llama_grads(sp, sp.shard(params), ids, "func")
+        _llama_grads(sp, sp.shard(params), ids, "func", use_cache=True)
     ref = _llama_grads(fm, params, ids, "func", use_cache=False)
     got = _llama_grads(sp, sp.shard(params), ids, "func", use_cache=False)
     for name in ref:

@@ -266,9 +266,6 @@ def _errors_on_rank():
         (mlp, {"mlp.ln": "colwise"}),
         (mlp, {"mlp.fc1": "vocab"}),
         (mlp, {"mlp.fc1": "sideways"}),
-        (sf.functional(MLP(8, 7)), {"mlp.fc1": "colwise"}),
-        (sf.functional(MLP(8, 7)), {"mlp.fc2": "rowwise"}),
-        (sf.functional(TinyAttnLM(5, 8, 2)), {"emb": "vocab"}),
         (sf.functional(TinyAttnLM(6, 12, 3)), {"attn.qkv": Colwise(fused=3, n_heads=3)}),
         (mlp, {"mlp.*": "replicate", "mlp.fc1": "colwise"}),
     ]:
@@ -289,14 +286,12 @@ def _errors_on_rank():
 
 def test_bad_plans_raise_naming_the_module(worlds):
     for messages in worlds(2).run(_errors_on_rank):
-        nothing, ln, vocab, unknown, col, row, emb, heads, twice, full, tied = messages
+        # uneven splits are padded since issue #24 (test_tensor_split_peers_issue24.py)
+        nothing, ln, vocab, unknown, heads, twice, full, tied = messages
         assert "'blocks.*.fc1' matches no module" in nothing and "'mlp.fc1'" in nothing
         assert "'mlp.ln'" in ln and "LayerNorm" in ln
         assert "nn.Embedding" in vocab and "'mlp.fc1'" in vocab
         assert "sideways" in unknown
-        assert "'mlp.fc1'" in col and "out_features = 7" in col and "by 2" in col
-        assert "'mlp.fc2'" in row and "in_features = 7" in row
-        assert "'emb'" in emb and "num_embeddings = 5" in emb
         assert "n_heads = 3" in heads and "axis size 2" in heads
         assert "both" in twice
         assert "'mlp.fc1.weight'" in full and "(3, 8)" in full

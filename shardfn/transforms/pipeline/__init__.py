@@ -1,6 +1,7 @@
 """Pipeline parallelism: ``pipeline_stages`` (see docs/pipeline.md).
 
-:mod:`.api` (``pipeline_stages``, ``PipelineModel``) over :mod:`.runtime` (one
+:mod:`.split` (``pipeline_split``: the stage models), :mod:`.api`
+(``pipeline_stages``), :mod:`.pipeline_model` (``PipelineModel``) over :mod:`.runtime` (one
 rank running its schedule), :mod:`.stage` (units -> stages), :mod:`.schedules`
 (the schedules as data), :mod:`.simulate` (their validation and simulated
 bubble), :mod:`.balance` (units per stage), :mod:`.timeline` (Chrome trace and
@@ -9,6 +10,7 @@ PNG of a step) and :mod:`._p2p` (messages between pp ranks).
 
 from shardfn.transforms.pipeline.api import PipelineModel, pipeline_stages
 from shardfn.transforms.pipeline.balance import balance_units, partition
+from shardfn.transforms.pipeline.hf_units import HFPipelineModel, hf_units, pack_inputs, pack_labels
 from shardfn.transforms.pipeline.runtime import Event, StepReport
 from shardfn.transforms.pipeline.schedules import (
     SCHEDULES,
@@ -16,6 +18,7 @@ from shardfn.transforms.pipeline.schedules import (
     Schedule,
     make_schedule,
     stage_rank,
+    v_placement,
 )
 from shardfn.transforms.pipeline.shapes import DYNAMIC, ShapeCache
 from shardfn.transforms.pipeline.simulate import (
@@ -24,6 +27,9 @@ from shardfn.transforms.pipeline.simulate import (
     theoretical_bubble,
     validate,
 )
+from shardfn.transforms.pipeline.split import PipelineSplit, pipeline_split
+from shardfn.transforms.pipeline.stage import ModelUnits, model_units
+from shardfn.transforms.pipeline.tied_model import TiedPipelineModel
 from shardfn.transforms.pipeline.timeline import (
     Timeline,
     TimelineEvent,
@@ -34,9 +40,49 @@ from shardfn.transforms.pipeline.timeline import (
     plot,
     to_chrome_trace,
 )
+from shardfn.transforms.pipeline.written import (
+    schedule_from_actions,
+    schedule_from_csv,
+    schedule_to_csv,
+)
 
-__all__ = ["DYNAMIC", "SCHEDULES", "Action", "Event", "PipelineModel", "Schedule", "ShapeCache",
-           "SimResult", "StepReport", "Timeline", "TimelineEvent", "balance_units",
-           "from_actions", "from_simulation", "gather_events", "make_schedule",
-           "measured_bubble", "partition", "pipeline_stages", "plot", "simulate", "stage_rank",
-           "theoretical_bubble", "to_chrome_trace", "validate"]
+__all__ = [
+    "Action",
+    "balance_units",
+    "DYNAMIC",
+    "Event",
+    "from_actions",
+    "from_simulation",
+    "gather_events",
+    "hf_units",
+    "HFPipelineModel",
+    "make_schedule",
+    "measured_bubble",
+    "model_units",
+    "ModelUnits",
+    "pack_inputs",
+    "pack_labels",
+    "partition",
+    "pipeline_split",
+    "pipeline_stages",
+    "PipelineModel",
+    "PipelineSplit",
+    "plot",
+    "Schedule",
+    "schedule_from_actions",
+    "schedule_from_csv",
+    "schedule_to_csv",
+    "SCHEDULES",
+    "ShapeCache",
+    "SimResult",
+    "simulate",
+    "stage_rank",
+    "StepReport",
+    "theoretical_bubble",
+    "TiedPipelineModel",
+    "Timeline",
+    "TimelineEvent",
+    "to_chrome_trace",
+    "v_placement",
+    "validate",
+]

@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["POOLED_KINDS", "MessageBuffers"]
+from shardfn.transforms.pipeline.kinds import MessageKind
 
-Key = tuple  # ("act" | "grad" | ..., stage, microbatch)
+__all__ = ["POOLED_KINDS", "MessageBuffers"]
 
 #: message kinds whose values are used up within the call (a stage's input, an output
 #: gradient), so their packed buffers can be kept for the next call
-POOLED_KINDS = ("act", "grad")
+POOLED_KINDS = (MessageKind.ACT, MessageKind.GRAD)
 
 
 class MessageBuffers:

@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from shardfn.transforms.pipeline.kinds import Status
+
 __all__ = ["MAX_ENTRIES", "Declared", "DeclaredValue", "Packed", "declared_entries",
            "declared_of_value", "entries_of", "make_packed", "packed_layout"]
 
@@ -128,11 +130,11 @@ def make_packed(declared: list[Declared | None], device: torch.device) -> Packed
     return Packed(buffer, views, buffer[at:].view(torch.int32), [])
 
 
-def _header(status: int, container: int, entries: list[torch.Tensor | None]) -> torch.Tensor:
+def _header(status: Status, container: int, entries: list[torch.Tensor | None]) -> torch.Tensor:
     return torch.tensor(_header_values(status, container, entries), dtype=torch.int32)
 
 
-def _header_values(status: int, container: int, entries: list[torch.Tensor | None]
+def _header_values(status: Status, container: int, entries: list[torch.Tensor | None]
                    ) -> list[int]:
     values = [0] * _FULL_LEN  # filled as a list: one tensor op instead of a dozen
     values[0:3] = status, container, len(entries)
@@ -150,7 +152,7 @@ def _header_values(status: int, container: int, entries: list[torch.Tensor | Non
     return values
 
 
-def _decode(values: list[int]) -> tuple[int, int, list[Declared | None], int]:
+def _decode(values: list[int]) -> tuple[Status, int, list[Declared | None], int]:
     """``(status, container, entries, text length)`` of a header's values."""
     entries: list[Declared | None] = []
     for j in range(values[2]):
@@ -158,7 +160,7 @@ def _decode(values: list[int]) -> tuple[int, int, list[Declared | None], int]:
         present, dtype, ndim = values[at:at + 3]
         entries.append(Declared(tuple(values[at + 3:at + 3 + ndim]), _DTYPES[dtype])
                        if present else None)
-    return values[0], values[1], entries, values[3]
+    return Status(values[0]), values[1], entries, values[3]
 
 
 def _grad_flags(values: list[int]) -> tuple[bool, ...]:

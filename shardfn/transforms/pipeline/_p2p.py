@@ -47,7 +47,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -76,18 +76,20 @@ from shardfn.transforms.pipeline._declared import (
     make_packed,
     packed_layout,
 )
+from shardfn.transforms.pipeline.kinds import MessageKey, Status
 
 __all__ = ["ERROR", "MAX_ENTRIES", "NONE", "OK", "PIPELINE", "Declared", "DeclaredValue",
-           "MessageBuffers", "Messenger", "Packed", "PeerFailed", "declared_entries",
-           "declared_of_value", "entries_of", "make_packed", "packed_layout"]
+           "MessageBuffers", "Messenger", "Packed", "PeerFailed", "Status",
+           "declared_entries", "declared_of_value", "entries_of", "make_packed",
+           "packed_layout"]
 
 #: the pipeline's message tags (right after shard_params' block)
 PIPELINE = TagBlock("pipeline_stages messages", UNITS.start + UNITS.size, 1 << 22)
 
-OK, ERROR, NONE = 0, 1, 2
+OK, ERROR, NONE = Status.OK, Status.ERROR, Status.NONE
 _TAGS_PER_MESSAGE = 3 + MAX_ENTRIES  # header, error text, second header, one per payload
 _MAX_TEXT = 4096  # bytes of an error's text sent with its header
-Key = tuple  # ("act" | "grad" | "loss" | "out" | "leaf", stage, microbatch)
+Key = MessageKey  # (MessageKind, stage, microbatch); plain-string kinds compare equal
 
 
 class PeerFailed(RuntimeError):
@@ -139,8 +141,8 @@ class Messenger:
         base = PIPELINE.start + _TAGS_PER_MESSAGE * k
         return base, base + 1, base + 2, [base + 3 + j for j in range(MAX_ENTRIES)]
 
-    def _packed(self, direction: str, key: Key, peer: int, declared: list[Declared | None]
-                ) -> Packed:
+    def _packed(self, direction: Literal["send", "recv"], key: Key, peer: int,
+                declared: list[Declared | None]) -> Packed:
         """The packed buffer of this message: kept from the last call (``pool``) or fresh."""
         if self.pool is None or key[0] not in POOLED_KINDS:
             return make_packed(declared, self.device)
@@ -151,7 +153,7 @@ class Messenger:
         with stats.collective_scope(self.ax.describe(description)):
             return [w for w in dist.batch_isend_irecv(ops) if w is not None]
 
-    def send(self, key: Key, dst: int, value: Any, status: int = OK, error: str = "") -> None:
+    def send(self, key: Key, dst: int, value: Any, status: Status = OK, error: str = "") -> None:
         """Post ``value`` (a tensor or a tuple/list of tensors and Nones; or a header of
         ``status`` alone) to axis index ``dst``; not waited.
 
@@ -288,7 +290,7 @@ class Messenger:
         return self._finish_recv(key, src, status, container, entries, text_len,
                                  self._tags(key)[1])
 
-    def _finish_recv(self, key: Key, src: int, status: int, container: int,
+    def _finish_recv(self, key: Key, src: int, status: Status, container: int,
                      entries: list[torch.Tensor | None], text_len: int, text_tag: int) -> Any:
         text = ""
         if status == ERROR:

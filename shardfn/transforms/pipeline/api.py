@@ -1,8 +1,14 @@
-"""``pipeline_stages``: a sequence of units split into stages over the mesh's "pp" axis.
+"""``pipeline_stages``: a model's stages placed over the mesh's "pp" axis, run by a schedule.
 
-See docs/pipeline.md. The pieces: :mod:`.stage` (which units and leaves each
-stage has), :mod:`.schedules` (the order of actions), :mod:`.runtime` (one rank
-running its actions), :mod:`._p2p` (the messages between pp ranks).
+See docs/pipeline.md. The pieces: :mod:`.split` (``pipeline_split``: the stage
+models), :mod:`.stage` (which units and leaves each stage has),
+:mod:`.pipeline_model` (the :class:`~.pipeline_model.PipelineModel` it returns),
+:mod:`.schedules` (the order of actions), :mod:`.runtime` (one rank running its
+actions), :mod:`._p2p` (the messages between pp ranks).
+
+Composition by type (docs/composing.md): the stages are models of their own. Split,
+transform each stage, pipeline the stage models; ``stage_transform=fn`` is that, in
+one call. A pipeline is never a stage, and no model transform takes a pipeline.
 
 Example:
     >>> pp = sf.pipeline_stages(nn.Sequential(a, b, c, d), mesh, axis="pp", balance=[2, 2],
@@ -15,322 +21,51 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from shardfn import spec
-from shardfn._functional_leaves import refuse_differentiated_state
-from shardfn._torch_internals import get_interpreter_stack
-from shardfn.functional import FunctionalModel, functional
+from shardfn.functional import FunctionalModel
 from shardfn.mesh import Mesh
-from shardfn.primitives import collectives
 from shardfn.primitives._comm import resolve
-from shardfn.transforms.pipeline._p2p import MessageBuffers, Messenger
-from shardfn.transforms.pipeline.guard import CallGuard, agree_on_batch, check_batch, exclusive
-from shardfn.transforms.pipeline.inference import run_forward
-from shardfn.transforms.pipeline.runtime import StepPlan, run_step, settle_and_raise
-from shardfn.transforms.pipeline.schedules import SCHEDULES, Schedule, make_schedule
-from shardfn.transforms.pipeline.shapes import ShapeCache, parse_shapes, signature
-from shardfn.transforms.pipeline.simulate import validate
-from shardfn.transforms.pipeline.stage import (
-    Stage,
-    as_units,
-    plan_stages,
-    resolve_balance,
-    stage_module,
+from shardfn.transforms._fsdp_tp import FsdpTpModel
+from shardfn.transforms.pipeline.balance import BalanceBy
+from shardfn.transforms.pipeline.forwards import step_plan
+from shardfn.transforms.pipeline.hf_units import (
+    HFPipelineModel,
+    causal_lm_loss,
+    hf_units,
+    is_pretrained,
 )
+from shardfn.transforms.pipeline.pipeline_model import PipelineModel
+from shardfn.transforms.pipeline.schedules import SCHEDULES, Schedule, ScheduleName
+from shardfn.transforms.pipeline.shapes import parse_shapes
+from shardfn.transforms.pipeline.split import PipelineSplit, find_split, pipeline_split
+from shardfn.transforms.pipeline.stage import ModelUnits, model_units, resolve_balance
+from shardfn.transforms.pipeline.tied_model import TiedPipelineModel
+from shardfn.transforms.pipeline.written import resolve_schedule
+from shardfn.transforms.precision import takes_precision
 from shardfn.transforms.shard_params import ShardedModel
 
 __all__ = ["PipelineModel", "pipeline_stages"]
 
-Params = dict[str, torch.Tensor]
 
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PipelineModel:
-    """A model split into pipeline stages; made by :func:`pipeline_stages`.
-
-    Attributes:
-        mesh: the mesh.
-        axis: the pp axis name.
-        plan: the step plan (stages, schedule, resolved axis, loss, forwards).
-        dp_axis: the axis gradients and loss are averaged over after each step, or None.
-        stage_models: this rank's stage index -> its ``stage_transform``-ed model
-            (empty without a ``stage_transform``).
-        infer_shapes: infer the boundary shapes once per batch signature (``shapes=None``).
-        shape_cache: the inferred shapes (:class:`~.shapes.ShapeCache`).
-        message_buffers: activation and gradient message buffers kept from one
-            ``value_and_grad`` to the next (:class:`~._buffers.MessageBuffers`).
-        call_guard: one call at a time (:class:`~.guard.CallGuard`: a second thread raises).
-    """
-
-    mesh: Mesh
-    axis: str
-    plan: StepPlan
-    dp_axis: str | None
-    stage_models: Mapping[int, Any]
-    infer_shapes: bool = False
-    shape_cache: ShapeCache = dataclasses.field(default_factory=ShapeCache, repr=False)
-    message_buffers: MessageBuffers = dataclasses.field(default_factory=MessageBuffers,
-                                                        repr=False)
-    call_guard: CallGuard = dataclasses.field(default_factory=CallGuard, repr=False)
-
-    @property
-    def schedule(self) -> Schedule:
-        return self.plan.schedule
-
-    @property
-    def _caches_shapes(self) -> bool:
-        """Whether the first call per batch signature infers shapes: all (``shapes=None``),
-        or with declared shapes the loss's and ``apply``'s outputs'; not ``"dynamic"``."""
-        return self.infer_shapes or self.plan.declared is not None
-
-    @property
-    def full(self) -> FunctionalModel:
-        """``sf.functional(nn.Sequential(*units))``: the unsplit model's names and init."""
-        return self.plan.stages.full
-
-    @property
-    def rank(self) -> int:
-        """This rank's index on the pp axis."""
-        return self.plan.rank
-
-    @property
-    def stages(self) -> tuple[Stage, ...]:
-        """This rank's stages (``virtual`` of them), in stage order."""
-        return self.plan.stages.on_rank(self.rank)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The leaves this rank holds, in full-tree order."""
-        mine = {n for stage in self.stages for n in stage.names}
-        return tuple(n for n in self.full.names if n in mine)
-
-    @property
-    def layout(self) -> dict[str, int]:
-        """Every leaf of the full tree -> the pp axis index that holds it (for checkpoints)."""
-        return self.plan.stages.layout()
-
-    @property
-    def specs(self) -> dict[str, Any]:
-        """This rank's leaves -> their layout over the mesh (for ``sf.checkpoint`` and
-        ``sf.gather``): the stage model's spec under a ``stage_transform``, else ``P()``
-        (whole on this pp rank, the same on every rank of the other axes).
-
-        Example:
-            >>> sf.checkpoint.save(path, {"params": params}, mesh, {"params": pp})
-        """
-        found: dict[str, Any] = {}
-        for model in self.stage_models.values():
-            found.update(model.specs)
-        return {name: found.get(name, spec.P()) for name in self.names}
-
-    @property
-    def balance(self) -> tuple[int, ...]:
-        """Units per stage."""
-        return tuple(len(stage.units) for stage in self.plan.stages.stages)
-
-    def init(self, seed: int, device: torch.device | str | None = None) -> Params:
-        """This rank's leaves, equal to the same leaves of ``self.full.init(seed)``.
-
-        With a ``stage_transform`` each stage's model initialises its own leaves
-        (``shard_params``: this rank's shards of them).
-
-        Example:
-            >>> sorted(pp.init(0)) == sorted(pp.names)
-            True
-        """
-        if not self.stage_models:
-            return self.plan.stages.init(seed, self.rank, device)
-        leaves: Params = {}
-        for model in self.stage_models.values():
-            leaves.update(model.init(seed) if device is None else model.init(seed, device))
-        return {name: leaves[name] for name in self.names}
-
-    @exclusive
-    def value_and_grad(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor,
-                       targets: Any, *, report: bool = False, mutable: bool = False
-                       ) -> tuple[Any, ...]:
-        """One pipelined forward and backward over the whole batch.
-
-        The batch is split on dim 0 into ``microbatches`` pieces (``torch.tensor_split``:
-        sizes differ by at most one, unless ``shapes=`` was declared, which needs an
-        even split). The loss of micro-batch ``i`` is scaled by its size over the
-        batch, so with a ``loss_fn`` that is a mean over the micro-batch the total is
-        the unsplit mean. Every pp rank passes the same ``inputs`` and ``targets``
-        (only stage 0 reads the inputs' values, only the last stage the targets).
-
-        Args:
-            params: this rank's leaves (as from :meth:`init`).
-            inputs: the batch's inputs (one tensor).
-            targets: the batch's targets (a tensor split like ``inputs``, or None).
-            report: also return the :class:`~.report.StepReport` (events, live graphs).
-            mutable: also return this rank's buffers (BatchNorm statistics) after the
-                step: each stage's forwards update them micro-batch by micro-batch, as
-                ``sf.functional(nn.Sequential(*units)).apply(..., mutable=True)`` run on
-                the micro-batches in order would (with ``dp_axis``: each replica's own).
-
-        Returns:
-            ``(loss, grads)``: the whole batch's loss, equal on every pp rank, and the
-            gradients of this rank's trainable leaves; with ``dp_axis`` both are
-            averaged over it. With ``mutable=True`` then the buffers
-            (``{**params, **buffers}`` is the next step's tree); with ``report=True``
-            last the report.
-
-        Example:
-            >>> loss, grads, buffers = pp.value_and_grad(params, x, y, mutable=True)
-
-        Raises:
-            ValueError: wrong leaves, a batch smaller than the micro-batch count, an
-                uneven split with declared shapes, a stage error, or pp ranks given different
-                batches (every rank raises). ConcurrentCallError: another thread's call.
-        """
-        _refuse_transforms("value_and_grad")
-        if not isinstance(mutable, bool):
-            raise TypeError(f"value_and_grad: mutable must be True or False, got {mutable!r}")
-        if mutable and not self.plan.mutable_forwards:
-            raise ValueError("pipeline value_and_grad(mutable=True) is not supported with "
-                             "remat= (a recomputed forward would update the buffers again)")
-
-        def prepare() -> Params:  # on every rank inside the step: a bad call stops them all
-            agree_on_batch(self.plan.ax, inputs, targets, self.schedule.n_microbatches,
-                           self.plan.device)
-            self._check_params(params)
-            self._check_batch(inputs, targets)
-            refuse_differentiated_state(params, self.full.buffer_names, self.full.frozen_names,
-                                        "pipeline value_and_grad")
-            trainable = {n for stage in self.stages for n in stage.trainable}
-            return {n: t.detach().requires_grad_(True) if n in trainable else t
-                    for n, t in params.items()}
-
-        key = signature(inputs, targets, self.schedule.n_microbatches) \
-            if self._caches_shapes else None
-        inferred = self.shape_cache.get(key)
-        loss, grads, step_report = run_step(self.plan, prepare, inputs, targets, inferred,
-                                            mutable, self.message_buffers)
-        if inferred is None:
-            self.shape_cache.put(key, step_report.shapes)
-        if self.dp_axis is not None and self.stage_models:  # the transform reduced them
-            loss = collectives.pmean(loss, self.dp_axis, mesh=self.mesh)
-        elif self.dp_axis is not None:
-            loss, grads = collectives.pmean((loss, grads), self.dp_axis, mesh=self.mesh)
-        found = (loss, grads) + ((step_report.buffers,) if mutable else ())
-        return found + (step_report,) if report else found
-
-    @exclusive
-    def apply(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor) -> Any:
-        """Inference: the model's output for ``inputs``, on every pp rank (no graph).
-
-        The batch runs through the stages in ``microbatches`` pieces; the last
-        stage sends its outputs to every pp rank. The output is what the last stage
-        returns: a tensor, or a tuple/list of tensors (each concatenated over the
-        micro-batches on dim 0).
-        """
-        _refuse_transforms("apply")
-
-        def prepare() -> Mapping[str, torch.Tensor]:
-            agree_on_batch(self.plan.ax, inputs, None, self.schedule.n_microbatches,
-                           self.plan.device, "apply")
-            self._check_params(params)
-            self._check_batch(inputs, None)
-            return params
-
-        key = signature(inputs, None, self.schedule.n_microbatches) if self._caches_shapes \
-            else None
-        inferred = self.shape_cache.get(key)
-        out, shapes = run_forward(self.plan, prepare, inputs, inferred)
-        if inferred is None:
-            self.shape_cache.put(key, shapes)
-        return out
-
-    @exclusive
-    def gather(self, params: Mapping[str, torch.Tensor]) -> Params:
-        """The full tree (every stage's leaves) on every pp rank, in full-tree order.
-
-        Example:
-            >>> full = pp.gather(pp.init(0))
-            >>> all(torch.equal(full[n], t) for n, t in pp.full.init(0).items())
-            True
-        """
-        layout, names = self.layout, self.full.names
-        ax, mine = self.plan.ax, self.rank
-        messenger = Messenger(ax, lambda key: key[2], device=self.plan.device)
-        owed = [(("leaf", 0, k), peer) for k, n in enumerate(names) if layout[n] == mine
-                for peer in range(ax.size) if peer != mine]
-        expected = [(("leaf", 0, k), layout[n]) for k, n in enumerate(names)
-                    if layout[n] != mine]
-        full: Params = {}
-        try:
-            self._check_params(params)
-            params = self._full_stage_leaves(params)
-            for index, name in enumerate(names):
-                if layout[name] == mine:
-                    for peer in range(ax.size):
-                        if peer != mine:
-                            messenger.send(("leaf", 0, index), peer, params[name])
-            for index, name in enumerate(names):
-                holder = layout[name]
-                full[name] = params[name] if holder == mine else \
-                    messenger.recv(("leaf", 0, index), holder)
-            messenger.finish()
-        except BaseException as error:  # the others stop too (error headers), then raise
-            settle_and_raise(messenger, owed, expected, error, f"pipeline gather on pp rank "
-                             f"{mine}")
-        return full
-
-    def _full_stage_leaves(self, params: Mapping[str, torch.Tensor]) -> Mapping[str, Any]:
-        """This rank's leaves unsharded by each stage model's own gather (if transformed)."""
-        if not self.stage_models:
-            return params
-        full: Params = {}
-        for model in self.stage_models.values():
-            mine = {n: params[n] for n in model.names}
-            gather_params = getattr(model, "gather_params", None)
-            full.update(gather_params(mine) if gather_params is not None
-                        else spec.gather(mine, model.specs, model.mesh))
-        return full
-
-    def _check_params(self, params: Mapping[str, torch.Tensor]) -> None:
-        if not isinstance(params, Mapping):
-            raise TypeError(f"pipeline params must be a dict of this rank's leaves, got "
-                            f"{type(params).__name__}")
-        names = set(self.names)
-        missing = [n for n in self.names if n not in params]
-        unexpected = sorted(n for n in params if n not in names)
-        if missing or unexpected:
-            others = [f"{n} (pp rank {self.layout[n]})" for n in unexpected if n in self.layout]
-            raise ValueError(f"pipeline params on pp rank {self.rank}: missing {missing}, "
-                             f"unexpected {unexpected}" +
-                             (f"; held by other ranks: {others}" if others else "") +
-                             "; pass this rank's leaves (pp.init(seed))")
-
-    def _check_batch(self, inputs: Any, targets: Any) -> None:
-        check_batch(inputs, targets, self.schedule.n_microbatches, self.plan.declared is not None)
-
-
-def _refuse_transforms(what: str) -> None:
-    if get_interpreter_stack():
-        raise RuntimeError(f"pipeline {what} runs a whole pipelined step with its own autograd "
-                           "and messages between ranks; it cannot run under torch.func "
-                           "transforms (grad, vmap, ...): call it directly")
-
-
-def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis: str = "pp",
-                    *, balance: Sequence[int] | str | None = None, schedule: str = "1f1b",
-                    microbatches: int, loss_fn: Callable[[Any, Any], torch.Tensor],
+def pipeline_stages(model: nn.Sequential | Sequence[nn.Module] | Sequence[Any], mesh: Mesh,
+                    axis: str = "pp", *, balance: Sequence[int] | BalanceBy | None = None,
+                    schedule: ScheduleName | Schedule = "1f1b", microbatches: int,
+                    loss_fn: Callable[[Any, Any], torch.Tensor] | str | None = None,
                     virtual: int = 1, shapes: Any = None, remat: Callable | None = None,
                     dp_axis: str | None = None, sample: Any = None,
                     stage_transform: Callable[[FunctionalModel, Mesh], Any] | None = None
                     ) -> PipelineModel:
-    """Split ``model``'s units into pipeline stages over ``axis`` and run them by ``schedule``.
+    """Place a model's stages on the ranks of ``axis`` and run them by ``schedule``.
 
-    Stage ``s`` holds ``balance[s]`` consecutive units and lives on pp rank ``s % p``
-    (``p * virtual`` stages, looped). Only activations (forward) and their
-    gradients (backward) travel between neighbouring stages, point to point.
+    Stage ``s`` lives on pp rank ``s % p`` (``p * virtual`` stages, looped; ``"zbv"`` and a
+    written schedule place them by their ``placement``). Only
+    activations (forward) and their gradients (backward) travel between
+    neighbouring stages, point to point.
 
     Memory per rank: its stages' parameters and gradients, plus the activations
     of the micro-batches in flight (GPipe: all ``m``; 1F1B: at most ``p`` per
@@ -338,16 +73,34 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
     and one gradient per micro-batch; the loss is sent to every pp rank.
 
     Args:
-        model: an ``nn.Sequential`` or a list of modules (the units).
+        model: the units (an ``nn.Sequential`` or a list of modules), split by
+            ``balance``; or the stage models, one per stage (``p * virtual``), in stage
+            order: ``sf.pipeline_split(units, balance)`` or a model built from each of
+            its entries (``sf.shard_params``, ``sf.tensor_split``, FSDP x TP,
+            ``sf.with_precision``, ``sf.remat``), over ``mesh.submesh([...])`` without
+            ``axis`` (this rank's slice). A stage model's gradients are its own:
+            ``dp_axis`` does not average them again where it reduces over that axis
+            (``shard_params``). Or a Hugging Face causal LM (``PreTrainedModel``): cut into
+            units keeping its leaf names (:func:`~.hf_units.hf_units`; the result is an
+            :class:`~.hf_units.HFPipelineModel` taking HF's ``input_ids``,
+            ``attention_mask``, ``position_ids``, ``labels``); or
+            :class:`~.stage.ModelUnits` (units cut from a model, keeping its names).
+            Weights tied across units (an embedding and its head) are held by every stage
+            using them, their gradients summed between those ranks (:mod:`.ties`).
         mesh: the mesh; ``axis`` must be one of its axes.
         axis: the pipeline axis.
-        balance: units per stage (``p * virtual`` positive counts summing to the
-            number of units), or ``"params"`` / ``"time"`` (by parameter count /
-            measured time; ``sample`` is the input to time with).
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``
-            (:data:`~.schedules.SCHEDULES`).
+        balance: with units: units per stage (``p * virtual`` positive counts summing to
+            the number of units), or ``"params"`` / ``"time"`` (by parameter count /
+            measured time; ``sample`` is the input to time with). With stage models:
+            None, or their split's.
+        schedule: a name of :data:`~.schedules.SCHEDULES` (``"gpipe"``, ``"1f1b"``,
+            ``"interleaved"``, ``"zb-h1"``, ``"interleaved_zb"``, ``"zbv"``), or a
+            :class:`~.schedules.Schedule` (``schedule_from_actions``) whose ranks,
+            micro-batches and ``virtual`` match; its placement says where stages live.
         microbatches: micro-batches per step ``m``.
-        loss_fn: ``loss_fn(out, targets) -> scalar``, a mean over the micro-batch.
+        loss_fn: ``loss_fn(out, targets) -> scalar``, a mean over the micro-batch. For a
+            Hugging Face model also ``"causal_lm"`` (the default there): the model's own
+            ``loss_function`` over the whole batch's tokens (HF's loss, with padding too).
         virtual: stages per rank (interleaved schedules).
         shapes: None (default): inferred at the first call for each batch signature
             (headers first), then declared from the cache; ``"dynamic"``: a shape
@@ -356,36 +109,137 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
             ``sf.ShapeDtype`` for every boundary, or one per boundary, a tuple of them
             for a tuple output). A stage output that differs from the declared or
             inferred shapes raises on the sending rank, and every rank stops.
-        remat: a remat policy (``sf.checkpoint_policies.*``): each stage's forward
-            runs under ``sf.remat`` (activations recomputed in backward).
-        dp_axis: average the gradients and the loss over this axis once per step
+        remat: a remat policy (``sf.checkpoint_policies.*``): each plain stage's forward
+            runs under ``sf.remat`` (for stage models: ``sf.remat(stage, policy)`` or
+            their own ``remat=``).
+        dp_axis: average the loss and the gradients over this axis once per step
             (pp x dp: each dp replica passes its own batch).
         sample: the input ``balance="time"`` times the units with.
-        stage_transform: ``fn(stage_fmodel, stage_mesh) -> model`` applied to each stage
-            of this rank: ``stage_fmodel`` is ``sf.functional`` of its units (leaves named
-            as in the full tree), ``stage_mesh`` the mesh without the pp axis (this
-            rank's slice: the stage's replicas). E.g.
-            ``lambda f, m: sf.shard_params(f, m, "dp")`` (ZeRO-3 inside a stage) or
-            ``lambda f, m: sf.tensor_split(f, m, "tp", plan)``. The model must have
-            ``init``, ``apply``, ``names`` and ``specs`` (``gather_params`` if
-            ``sf.gather`` cannot rebuild its leaves). Its gradients are its own: with
-            ``dp_axis`` only the loss is averaged (``shard_params`` reduces over its axis).
+        stage_transform: sugar: ``fn(stage_fmodel, stage_mesh) -> model`` makes the stage
+            models, ``pipeline_stages([fn(s, mesh.submesh(others)) for s in
+            sf.pipeline_split(units, balance)], mesh, axis, ...)`` (``others``: the axes
+            but ``axis``).
 
     Returns:
-        The :class:`PipelineModel`.
+        The :class:`~.pipeline_model.PipelineModel`.
 
     Raises:
-        ValueError: an unknown schedule or axis, a bad balance, bad ``shapes``.
-        NotImplementedError: a schedule that is not written yet.
+        ValueError: an unknown schedule or axis, a bad balance, bad ``shapes``; stage
+            models that are not one split's stages in order, or whose mesh is not this
+            rank's slice without ``axis``.
+        TypeError: a stage model that is a pipeline (a pipeline is never a stage).
 
     Example:
-        >>> pp = sf.pipeline_stages([nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)],
-        ...                         sf.Mesh({"pp": 2}), balance=[2, 1], schedule="gpipe",
-        ...                         microbatches=2, loss_fn=lambda o, t: ((o - t) ** 2).mean())
-        >>> loss, grads = pp.value_and_grad(pp.init(0), torch.randn(4, 4), torch.randn(4, 1))
+        >>> split = sf.pipeline_split(units, balance=[2, 3])
+        >>> stages = [sf.shard_params(s, mesh.submesh(["dp"]), "dp") for s in split]
+        >>> pp = sf.pipeline_stages(stages, mesh, "pp", schedule="1f1b", microbatches=4,
+        ...                         loss_fn=mse, dp_axis="dp")
+        >>> loss, grads = pp.value_and_grad(pp.init(0), x, y)
     """
-    units = as_units(model)
-    if schedule not in SCHEDULES:
+    hf = is_pretrained(model)
+    if hf:
+        loss_fn, counts_tokens = _hf_loss(model, loss_fn)
+        model = hf_units(model)
+    _check_options(mesh, axis, schedule, microbatches, virtual, dp_axis, loss_fn)
+    ax = resolve(axis, mesh)
+    n_stages = ax.size * virtual
+    given = None if isinstance(model, ModelUnits) else _stage_models_given(model)
+    if given is None:
+        units = model_units(model)
+        split = pipeline_split(units, resolve_balance(balance, units.units, n_stages, sample,
+                                                      mesh), n_stages=n_stages)
+        if stage_transform is None:
+            given = tuple(split)
+        else:  # the sugar: transform each stage, then the stage-models path below
+            if remat is not None:
+                raise ValueError("pipeline_stages: remat= and stage_transform= together: give "
+                                 "the transform its own remat (sf.remat(stage, policy), or "
+                                 "sf.shard_params(..., remat=policy))")
+            given = tuple(stage_transform(s, _stage_mesh(mesh, axis)) for s in split)
+    elif stage_transform is not None:
+        raise ValueError("pipeline_stages: stage_transform= with stage models: transform the "
+                         "stages yourself ([fn(s, stage_mesh) for s in split]) or pass the "
+                         "units with stage_transform=")
+    split = find_split(given)
+    if balance is not None and not isinstance(balance, str) and \
+            tuple(balance) != split.balance:
+        raise ValueError(f"pipeline_stages: balance={list(balance)}, but the stage models "
+                         f"are a split with balance {list(split.balance)}: leave balance= out")
+    built = _build(split, given, mesh, axis, ax, schedule, microbatches, loss_fn, virtual,
+                   shapes, remat, dp_axis)
+    if hf:
+        return HFPipelineModel(*_fields(built), counts_tokens=counts_tokens)
+    if split.named_by_root or split.tied_across():
+        return TiedPipelineModel(*_fields(built))
+    return built
+
+
+def _fields(model: PipelineModel) -> list[Any]:
+    return [getattr(model, f.name) for f in dataclasses.fields(PipelineModel)]
+
+
+def _hf_loss(model: nn.Module, loss_fn: Any) -> tuple[Callable, bool]:
+    """A Hugging Face model's ``loss_fn``: ``"causal_lm"`` (default) is its own loss over
+    the whole batch's tokens (labels packed with the count); a callable is used as given."""
+    if loss_fn is None or loss_fn == "causal_lm":
+        vocab = getattr(model.config, "vocab_size", None)
+        if getattr(model, "get_output_embeddings", lambda: None)() is None or vocab is None:
+            raise ValueError(f"pipeline_stages: {type(model).__name__} has no language-model "
+                             "head, so there is no 'causal_lm' loss: pass loss_fn=(out, "
+                             "targets) -> scalar")
+        return causal_lm_loss(model.loss_function, vocab), True
+    if isinstance(loss_fn, str):
+        raise ValueError(f"pipeline_stages: unknown loss_fn {loss_fn!r}; for a Hugging Face "
+                         "model 'causal_lm' or a callable (out, targets) -> scalar")
+    return loss_fn, False
+
+
+def _build(split: PipelineSplit, given: Sequence[Any], mesh: Mesh, axis: str, ax: Any,
+           schedule: Any, microbatches: int, loss_fn: Callable, virtual: int, shapes: Any,
+           remat: Callable | None, dp_axis: str | None) -> PipelineModel:
+    """The pipeline of ``split``'s stages, stage ``s`` computed by ``given[s]``."""
+    n_stages = ax.size * virtual
+    if len(split) != n_stages:
+        raise ValueError(f"pipeline_stages: {len(split)} stage models (balance "
+                         f"{list(split.balance)}), but the pipeline has {n_stages} stages "
+                         f"(pp size {ax.size} x virtual {virtual}): split into {n_stages}")
+    transformed = {s: m for s, m in enumerate(given) if m is not split[s]}
+    if transformed and (split.named_by_root or split.tied_across()):
+        raise ValueError(f"pipeline_stages: stages {sorted(transformed)} are transformed "
+                         "stage models, but "
+                         + ("the units keep the names of the model they were cut from "
+                            "(a Hugging Face model)" if split.named_by_root else
+                            f"weights are tied across stages ({split.tied_across()})")
+                         + ": stage models are not supported there yet; pipeline the "
+                         "plain stages")
+    for index, stage_model in transformed.items():
+        _check_stage_model(index, stage_model, mesh, axis)
+    if remat is not None and transformed:
+        raise ValueError(f"pipeline_stages: remat= applies to plain stages; stages "
+                         f"{sorted(transformed)} are models of their own: give them their "
+                         "remat (sf.remat(stage, policy), or sf.shard_params(..., "
+                         "remat=policy))")
+    plan = resolve_schedule(schedule, ax.size, microbatches, virtual)  # validated: no hang
+    if plan.split_backward:
+        sharded = [s for s, m in transformed.items() if _sharded(m) is not None]
+        if sharded:
+            raise ValueError(f"pipeline_stages: schedule {plan.name!r} splits backward (B, "
+                             "then W through the same graph), but shard_params frees a "
+                             f"stage's graph after one backward (stages {sharded}): use "
+                             "'gpipe', '1f1b' or 'interleaved'")
+    stage_plan = split.plan(ax.size).placed(plan.rank_of)
+    mine = {stage.index for stage in stage_plan.on_rank(ax.index)}
+    models = {s: m for s, m in transformed.items() if s in mine}
+    reduced = {s: _reduced_axes(m) for s, m in models.items()}
+    step = step_plan(stage_plan, models, plan, ax, loss_fn, parse_shapes(shapes, n_stages - 1),
+                     remat, mesh.device)
+    return PipelineModel(mesh, axis, step, dp_axis, models, reduced, remat,
+                         infer_shapes=shapes is None)
+
+
+def _check_options(mesh: Mesh, axis: str, schedule: str | Schedule, microbatches: int, virtual: int,
+                   dp_axis: str | None, loss_fn: Any) -> None:
+    if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {sorted(SCHEDULES)}")
     for name, value in (("microbatches", microbatches), ("virtual", virtual)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -397,53 +251,87 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module], mesh: Mesh, axis
         raise ValueError(f"pipeline_stages: dp_axis {dp_axis!r} is not in the mesh")
     if not callable(loss_fn):
         raise TypeError("pipeline_stages: loss_fn must be callable(out, targets) -> scalar")
-    ax = resolve(axis, mesh)
-    n_stages = ax.size * virtual
-    counts = resolve_balance(balance, units, n_stages, sample, mesh)
-    plan = make_schedule(schedule, ax.size, microbatches, virtual)
-    validate(plan)  # a malformed schedule would hang: refuse it here
-    stage_plan = plan_stages(units, counts, ax.size)
-    models = {}
-    if stage_transform is not None:
-        if remat is not None:
-            raise ValueError("pipeline_stages: remat= and stage_transform= together: give the "
-                             "transform its own remat (sf.shard_params(..., remat=policy))")
-        others = [a for a in mesh.axis_names if a != axis]
-        if not others:
-            raise ValueError("pipeline_stages: stage_transform needs a mesh axis besides "
-                             f"{axis!r} to work over (e.g. {{'pp': 2, 'dp': 2}})")
-        stage_mesh = mesh.submesh(others)
-        models = {stage.index: stage_transform(functional(stage_module(units, stage)),
-                                               stage_mesh)
-                  for stage in stage_plan.on_rank(ax.index)}
-        if plan.split_backward and any(isinstance(m, ShardedModel) for m in models.values()):
-            raise ValueError(f"pipeline_stages: schedule {schedule!r} splits backward (B, then "
-                             "W through the same graph), but shard_params frees a stage's "
-                             "graph after one backward: use 'gpipe', '1f1b' or 'interleaved'")
-    forwards = tuple(_transformed_forward(models[stage.index]) if stage.index in models
-                     else _stage_forward(stage_plan, stage, remat)
-                     for stage in stage_plan.stages)
-    plain = tuple(remat is None and stage.index not in models for stage in stage_plan.stages)
-    mutable_forwards = () if remat is not None else tuple(
-        _transformed_forward(models[stage.index], mutable=True) if stage.index in models
-        else functools.partial(stage_plan.forward_mutable, stage) for stage in stage_plan.stages)
-    step = StepPlan(stage_plan, plan, ax, loss_fn, forwards, parse_shapes(shapes, n_stages - 1),
-                    plain, mesh.device, mutable_forwards)
-    return PipelineModel(mesh, axis, step, dp_axis, models, infer_shapes=shapes is None)
 
 
-def _transformed_forward(model: Any, mutable: bool = False):
-    if mutable:
-        return lambda leaves, x: model.apply({n: leaves[n] for n in model.names}, x,
-                                             mutable=True)
-    return lambda leaves, x: model.apply({n: leaves[n] for n in model.names}, x)
+def _stage_models_given(model: Any) -> tuple[Any, ...] | None:
+    """The stage models, if ``model`` is a sequence of them (None: units)."""
+    if isinstance(model, PipelineSplit):
+        return tuple(model)
+    if isinstance(model, nn.Module) or not isinstance(model, (list, tuple)):
+        if isinstance(model, PipelineModel):
+            raise TypeError("pipeline_stages: the model is a PipelineModel; a pipeline is "
+                            "not pipelined again. Give the units, or the stage models: "
+                            "pipeline_stages([transform(s) for s in sf.pipeline_split(units, "
+                            "balance)], mesh, 'pp', ...)")
+        return None  # units (as_units says what else is wrong)
+    modules = [isinstance(entry, nn.Module) for entry in model]
+    if all(modules):
+        return None
+    if any(modules):
+        first = modules.index(True)
+        raise TypeError(f"pipeline_stages: entry {first} is an nn.Module but entry "
+                        f"{modules.index(False)} is a {type(model[modules.index(False)]).__name__}"
+                        ": give the units (modules) or the stage models, not both")
+    return tuple(model)
 
 
-def _stage_forward(stage_plan, stage: Stage, policy: Callable | None):
-    fn = stage_plan.stage_forward(stage)
-    if policy is None:
-        return fn
-    from shardfn.transforms.remat import remat
+def _stage_mesh(mesh: Mesh, axis: str) -> Mesh:
+    others = [a for a in mesh.axis_names if a != axis]
+    if not others:
+        raise ValueError("pipeline_stages: stage_transform needs a mesh axis besides "
+                         f"{axis!r} to work over (e.g. {{'pp': 2, 'dp': 2}})")
+    return mesh.submesh(others)
 
-    recomputed = remat(fn, policy)
-    return lambda leaves, x: recomputed({n: leaves[n] for n in stage.names}, x)
+
+def _check_stage_model(index: int, model: Any, mesh: Mesh, axis: str) -> None:
+    """A stage model's mesh is this rank's slice of ``mesh`` over axes other than ``axis``."""
+    stage_mesh = getattr(model, "mesh", None)
+    if stage_mesh is None:
+        return
+    names = tuple(stage_mesh.axis_names)
+    if axis in names:
+        raise ValueError(f"pipeline_stages: stage model {index} is over a mesh with the "
+                         f"pipeline axis {axis!r} ({stage_mesh!r}); build stage models over "
+                         f"this rank's slice without it: mesh.submesh("
+                         f"{[a for a in mesh.axis_names if a != axis]})")
+    if not set(names) <= set(mesh.axis_names) or stage_mesh != mesh.submesh(names):
+        raise ValueError(f"pipeline_stages: stage model {index} is over {stage_mesh!r}, not "
+                         f"this rank's slice of the pipeline's {mesh!r}: build it over "
+                         f"mesh.submesh({list(names)})")
+
+
+def _sharded(model: Any) -> ShardedModel | None:
+    """The ``shard_params`` model inside a stage model (under precision/remat wrappers,
+    FSDP x TP), or None."""
+    for _ in range(8):
+        if isinstance(model, FsdpTpModel):
+            model = model.sharded
+        if isinstance(model, ShardedModel):
+            return model
+        model = getattr(model, "inner", None)
+        if model is None:
+            return None
+    return None
+
+
+def _reduced_axes(model: Any) -> tuple[str, ...]:
+    """The mesh axes a stage model reduces its gradients over (``shard_params``: its axis
+    and ``replicate_axis``); ``dp_axis`` does not average those gradients again."""
+    sharded = _sharded(model)
+    if sharded is None:
+        return ()
+    axes: tuple[str, ...] = ()
+    for value in (sharded.axis, sharded.replicate_axis):
+        if value is not None:
+            axes += (value,) if isinstance(value, str) else tuple(value)
+    return axes
+
+
+def _refuse_precision(model: PipelineModel, policy: Any) -> Any:
+    raise ValueError(f"with_precision over a PipelineModel: its step is value_and_grad, which "
+                     f"a precision wrapper cannot reach. Apply the policy to each stage: "
+                     f"pipeline_stages([sf.with_precision(s, {policy}) for s in "
+                     f"sf.pipeline_split(units, balance)], mesh, 'pp', ...)")
+
+
+takes_precision(PipelineModel, lambda model: None, _refuse_precision)

@@ -29,14 +29,17 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn as nn
 
-__all__ = ["balance_units", "measure_unit_times", "partition", "unit_param_counts"]
+__all__ = ["BalanceBy", "balance_units", "measure_unit_times", "partition",
+           "unit_param_counts"]
 
-_BY = ("params", "time")
+#: ``balance=`` by name: split the units by parameter count or by measured time
+BalanceBy = Literal["params", "time"]
+_BY: tuple[BalanceBy, ...] = get_args(BalanceBy)
 
 
 def _close(a: float, b: float) -> bool:
@@ -232,7 +235,7 @@ def _check_explicit(balance: Sequence[Any], n_stages: int, n_units: int) -> tupl
     return tuple(counts)
 
 
-def balance_units(units: Any, n_stages: int, by: Sequence[int] | str, *, sample: Any = None,
+def balance_units(units: Any, n_stages: int, by: Sequence[int] | BalanceBy, *, sample: Any = None,
                   costs: Sequence[float] | None = None, repeats: int = 3) -> tuple[int, ...]:
     """Units per pipeline stage: an explicit list checked, or a partition by cost.
 

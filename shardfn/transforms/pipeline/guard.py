@@ -147,7 +147,8 @@ def settle_and_raise(step_messenger: Messenger, owed, expected, error: BaseExcep
 
 
 def exclusive(method: Callable) -> Callable:
-    """Decorate a ``PipelineModel`` method: run it under ``self.call_guard``."""
+    """Decorate a ``PipelineModel`` method: run it under ``self.call_guard`` (the model's
+    guard, one per model object, kept in its :class:`~.caches.Caches`)."""
     @functools.wraps(method)
     def run(self, *args: Any, **kwargs: Any) -> Any:
         with self.call_guard.hold(method.__name__):

@@ -1,7 +1,8 @@
 """Which messages each pp rank sends and receives in a step, read off the schedule.
 
-A schedule says, per rank, the order of its actions; the messages follow from
-it: ``F`` of stage ``s`` receives ``("act", s - 1, i)`` from stage ``s - 1``'s rank
+A schedule says, per rank, the order of its actions and, by its placement
+(:meth:`~.schedules.Schedule.rank_of`), where each stage lives; the messages follow
+from it: ``F`` of stage ``s`` receives ``("act", s - 1, i)`` from stage ``s - 1``'s rank
 and sends ``("act", s, i)`` to stage ``s + 1``'s; ``B`` receives ``("grad", s + 1, i)``
 and sends ``("grad", s, i)``; the last stage's rank sends ``("loss", 0, 0)`` to
 every other pp rank at the end. Messages between stages on the same rank are
@@ -18,13 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shardfn.transforms.pipeline.schedules import Action, Schedule, stage_rank
+from shardfn.transforms.pipeline.kinds import LOSS_KEY, ActionKind, MessageKind
+from shardfn.transforms.pipeline.kinds import MessageKey as Key
+from shardfn.transforms.pipeline.schedules import Action, Schedule
 
 __all__ = ["message_lists", "release_points"]
 
 
 def message_lists(schedule: Schedule, rank: int, actions: Sequence[Action] | None = None
-                  ) -> tuple[list[tuple[tuple, int]], list[tuple[tuple, int]]]:
+                  ) -> tuple[list[tuple[Key, int]], list[tuple[Key, int]]]:
     """``(owed, expected)``: every ``(key, peer)`` pp rank ``rank`` sends / receives.
 
     Args:
@@ -32,33 +35,34 @@ def message_lists(schedule: Schedule, rank: int, actions: Sequence[Action] | Non
         rank: the pp rank.
         actions: the actions run (default: the rank's whole schedule, plus the loss).
     """
-    p, last = schedule.n_ranks, schedule.n_stages - 1
+    p, last, rank_of = schedule.n_ranks, schedule.n_stages - 1, schedule.rank_of
     owed, expected = [], []
     for kind, s, i in actions if actions is not None else schedule.actions[rank]:
-        if kind == "F":
-            before, after = ("act", s - 1, i), ("act", s, i)
+        if kind == ActionKind.F:
+            before, after = (MessageKind.ACT, s - 1, i), (MessageKind.ACT, s, i)
             src, dst = s - 1, s + 1
-        elif kind == "B":
-            before, after = ("grad", s + 1, i), ("grad", s, i)
+        elif kind == ActionKind.B:
+            before, after = (MessageKind.GRAD, s + 1, i), (MessageKind.GRAD, s, i)
             src, dst = s + 1, s - 1
         else:
             continue
-        if 0 <= src <= last and stage_rank(src, p) != rank:
-            expected.append((before, stage_rank(src, p)))
-        if 0 <= dst <= last and stage_rank(dst, p) != rank:
-            owed.append((after, stage_rank(dst, p)))
+        if 0 <= src <= last and rank_of(src) != rank:
+            expected.append((before, rank_of(src)))
+        if 0 <= dst <= last and rank_of(dst) != rank:
+            owed.append((after, rank_of(dst)))
     if actions is None:
-        holder = stage_rank(last, p)
+        holder = rank_of(last)
         if rank == holder:
-            owed += [(("loss", 0, 0), r) for r in range(p) if r != rank]
+            owed += [(LOSS_KEY, r) for r in range(p) if r != rank]
         else:
-            expected.append((("loss", 0, 0), holder))
+            expected.append((LOSS_KEY, holder))
     return owed, expected
 
 
-def release_points(schedule: Schedule, rank: int) -> dict[tuple, tuple[tuple, ...]]:
+def release_points(schedule: Schedule, rank: int
+                   ) -> dict[tuple[Key, int], tuple[tuple[Key, int], ...]]:
     """For :attr:`StepPlan.releases`: per message ``rank`` receives, the sends it completes."""
-    found: dict[tuple, list[tuple]] = {}
+    found: dict[tuple[Key, int], list[tuple[Key, int]]] = {}
     for peer in range(schedule.n_ranks):
         if peer == rank:
             continue

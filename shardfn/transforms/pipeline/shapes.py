@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from shardfn.transforms.pipeline._p2p import Declared, DeclaredValue
 
-__all__ = ["DYNAMIC", "ShapeCache", "parse_shapes", "signature"]
+__all__ = ["DYNAMIC", "Dynamic", "ShapeCache", "parse_shapes", "signature"]
 
-#: ``shapes=DYNAMIC``: exchange shapes in a header before every payload, every call
-DYNAMIC = "dynamic"
+#: ``shapes="dynamic"``: exchange shapes in a header before every payload, every call
+Dynamic = Literal["dynamic"]
+DYNAMIC: Dynamic = "dynamic"
 
 
 def _is_shape(entry: Any) -> bool:

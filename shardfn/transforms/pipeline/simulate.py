@@ -9,7 +9,8 @@ bubble and the activations each rank holds.
 Dependencies (what the runtime waits for):
 
 * ``F`` of stage ``s`` on micro-batch ``i`` needs ``F(s - 1, i)`` (received from
-  rank ``(s - 1) % p``); stage 0 needs nothing;
+  the rank of stage ``s - 1``, :meth:`~.schedules.Schedule.rank_of`); stage 0 needs
+  nothing;
 * ``B(s, i)`` needs ``B(s + 1, i)``; the last stage's ``B`` needs its own ``F``;
 * ``W(s, i)`` needs ``B(s, i)`` (same rank).
 
@@ -27,9 +28,12 @@ Example:
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import NamedTuple
 
-from shardfn.transforms.pipeline.schedules import Action, Schedule, stage_rank
+from shardfn.transforms.pipeline.kinds import ActionKind
+from shardfn.transforms.pipeline.messages import message_lists
+from shardfn.transforms.pipeline.schedules import Action, Schedule, ScheduleName
 
 __all__ = ["SimResult", "simulate", "theoretical_bubble", "validate"]
 
@@ -60,15 +64,43 @@ class SimResult(NamedTuple):
 
 def _dependency(action: Action, n_stages: int) -> Action | None:
     kind, stage, mb = action
-    if kind == "F":
-        return None if stage == 0 else Action("F", stage - 1, mb)
-    if kind == "B":
-        return Action("F", stage, mb) if stage == n_stages - 1 else Action("B", stage + 1, mb)
-    return Action("B", stage, mb)
+    if kind == ActionKind.F:
+        return None if stage == 0 else Action(ActionKind.F, stage - 1, mb)
+    if kind == ActionKind.B:
+        return Action(ActionKind.F, stage, mb) if stage == n_stages - 1 else \
+            Action(ActionKind.B, stage + 1, mb)
+    return Action(ActionKind.B, stage, mb)
 
 
 def _name(action: Action) -> str:
     return f"{action.kind}(stage {action.stage}, microbatch {action.microbatch})"
+
+
+def _check_placement(schedule: Schedule) -> None:
+    """A placement names a rank for every stage, each rank holding ``n_virtual`` of them."""
+    placement = schedule.placement
+    if placement is None:
+        return
+    p, n_stages = schedule.n_ranks, schedule.n_stages
+    if len(placement) != n_stages or any(
+            isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < p for r in placement):
+        raise ValueError(f"schedule {schedule.name!r}: placement {list(placement)} must give "
+                         f"a pp rank 0..{p - 1} for each of the {n_stages} stages")
+    held = Counter(placement)
+    uneven = [r for r in range(p) if held[r] != schedule.n_virtual]
+    if uneven:
+        raise ValueError(f"schedule {schedule.name!r}: placement {list(placement)} puts "
+                         f"{held[uneven[0]]} stages on rank {uneven[0]}; every rank holds "
+                         f"n_virtual={schedule.n_virtual}")
+
+
+def _missing_reason(action: Action, m: int) -> str:
+    if action.kind == ActionKind.F:
+        return (f"micro-batch {action.microbatch} never runs stage {action.stage} "
+                f"(n_microbatches={m}: every stage runs every micro-batch)")
+    if action.kind == ActionKind.B:
+        return "its forward's backward never runs"
+    return "the schedule splits backward (it has W actions): every B needs its W"
 
 
 def _check_counts(schedule: Schedule) -> dict[Action, tuple[int, int]]:
@@ -77,7 +109,8 @@ def _check_counts(schedule: Schedule) -> dict[Action, tuple[int, int]]:
     if len(schedule.actions) != p:
         raise ValueError(f"schedule {schedule.name!r}: {len(schedule.actions)} action lists "
                          f"for n_ranks={p}")
-    kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
+    _check_placement(schedule)
+    kinds = tuple(ActionKind) if schedule.split_backward else (ActionKind.F, ActionKind.B)
     where: dict[Action, tuple[int, int]] = {}
     for rank, actions in enumerate(schedule.actions):
         for position, action in enumerate(actions):
@@ -89,10 +122,10 @@ def _check_counts(schedule: Schedule) -> dict[Action, tuple[int, int]]:
                 raise ValueError(f"schedule {schedule.name!r}: rank {rank} runs "
                                  f"{_name(action)} out of range (stages 0..{n_stages - 1}, "
                                  f"microbatches 0..{m - 1})")
-            if stage_rank(action.stage, p) != rank:
+            if schedule.rank_of(action.stage) != rank:
                 raise ValueError(f"schedule {schedule.name!r}: rank {rank} runs "
                                  f"{_name(action)}, which lives on rank "
-                                 f"{stage_rank(action.stage, p)}")
+                                 f"{schedule.rank_of(action.stage)}")
             if action in where:
                 raise ValueError(f"schedule {schedule.name!r}: rank {rank} runs "
                                  f"{_name(action)} twice (positions {where[action][1]} and "
@@ -101,9 +134,10 @@ def _check_counts(schedule: Schedule) -> dict[Action, tuple[int, int]]:
     missing = [Action(k, s, i) for k in kinds for s in range(n_stages) for i in range(m)
                if Action(k, s, i) not in where]
     if missing:
-        raise ValueError(f"schedule {schedule.name!r}: {len(missing)} actions are missing, "
-                         f"first {_name(missing[0])} on rank "
-                         f"{stage_rank(missing[0].stage, p)}")
+        first = missing[0]
+        raise ValueError(f"schedule {schedule.name!r}: rank {schedule.rank_of(first.stage)} "
+                         f"never runs {_name(first)}: {_missing_reason(first, m)} "
+                         f"({len(missing)} actions missing in all)")
     return where
 
 
@@ -116,19 +150,40 @@ def _check_same_rank_order(schedule: Schedule, where: dict[Action, tuple[int, in
                              f"{where[needed][1]}), which it needs")
 
 
-def _durations(schedule: Schedule, t_f: float, t_b: float, t_w: float | None) -> dict[str, float]:
+def _check_messages(schedule: Schedule) -> None:
+    """Every message a rank sends (:func:`~.messages.message_lists`) is one its peer
+    receives, and the reverse: nothing is left unsent or unreceived."""
+    sent: Counter[tuple] = Counter()
+    received: Counter[tuple] = Counter()
+    for rank in range(schedule.n_ranks):
+        owed, expected = message_lists(schedule, rank)
+        sent.update((key, rank, dst) for key, dst in owed)
+        received.update((key, src, rank) for key, src in expected)
+    unreceived, unsent = list(sent - received), list(received - sent)
+    if unreceived:
+        key, src, dst = unreceived[0]
+        raise ValueError(f"schedule {schedule.name!r}: rank {src} sends {key} to rank {dst}, "
+                         "which never receives it")
+    if unsent:
+        key, src, dst = unsent[0]
+        raise ValueError(f"schedule {schedule.name!r}: rank {dst} waits for {key} from rank "
+                         f"{src}, which never sends it")
+
+
+def _durations(schedule: Schedule, t_f: float, t_b: float, t_w: float | None
+               ) -> dict[ActionKind, float]:
     if min(t_f, t_b) <= 0:
         raise ValueError(f"simulate: t_f and t_b must be > 0, got t_f={t_f}, t_b={t_b}")
     if not schedule.split_backward:
-        return {"F": t_f, "B": t_b}
+        return {ActionKind.F: t_f, ActionKind.B: t_b}
     t_w = t_b / 2 if t_w is None else t_w
     if not 0 < t_w < t_b:
         raise ValueError(f"simulate: t_w (the weight-gradient part of t_b) must be in "
                          f"(0, t_b={t_b}), got {t_w}")
-    return {"F": t_f, "B": t_b - t_w, "W": t_w}
+    return {ActionKind.F: t_f, ActionKind.B: t_b - t_w, ActionKind.W: t_w}
 
 
-def _run(schedule: Schedule, durations: dict[str, float], t_comm: float):
+def _run(schedule: Schedule, durations: dict[ActionKind, float], t_comm: float):
     """The always-make-progress execution: ``(starts, ends)`` per rank, or a deadlock."""
     p, n_stages = schedule.n_ranks, schedule.n_stages
     done: dict[Action, float] = {}
@@ -144,7 +199,7 @@ def _run(schedule: Schedule, durations: dict[str, float], t_comm: float):
                 if needed is not None and needed not in done:
                     break
                 ready = 0.0 if needed is None else done[needed] + (
-                    t_comm if stage_rank(needed.stage, p) != rank else 0.0)
+                    t_comm if schedule.rank_of(needed.stage) != rank else 0.0)
                 start = max(ends[rank][-1] if ends[rank] else 0.0, ready)
                 starts[rank].append(start)
                 ends[rank].append(start + durations[action.kind])
@@ -163,10 +218,12 @@ def _run(schedule: Schedule, durations: dict[str, float], t_comm: float):
 def validate(schedule: Schedule) -> None:
     """Check that the runtime can execute ``schedule``; raise a clear ValueError if not.
 
-    Checks: one action list per rank; every ``(stage, microbatch)`` has exactly one ``F``
-    and one ``B`` (and one ``W`` when ``split_backward``, none otherwise); each rank runs
-    only its own stages (``stage % n_ranks``); a rank never runs an action before one of
-    its own that it needs; and the execution cannot deadlock.
+    Checks: one action list per rank; a placement (if any) gives each rank ``n_virtual``
+    stages; every ``(stage, microbatch)`` has exactly one ``F`` and one ``B`` (and one
+    ``W`` when ``split_backward``, none otherwise); each rank runs only its own stages
+    (:meth:`~.schedules.Schedule.rank_of`); a rank never runs an action before one of
+    its own that it needs; every message sent is received; and the execution cannot
+    deadlock. Each refusal names the rank, the action and the reason.
 
     Args:
         schedule: the schedule to check.
@@ -180,18 +237,19 @@ def validate(schedule: Schedule) -> None:
     """
     where = _check_counts(schedule)
     _check_same_rank_order(schedule, where)
-    _run(schedule, {"F": 1.0, "B": 1.0, "W": 1.0}, 0.0)
+    _check_messages(schedule)
+    _run(schedule, dict.fromkeys(ActionKind, 1.0), 0.0)
 
 
 def _peaks(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    last = "W" if schedule.split_backward else "B"
+    last = ActionKind.W if schedule.split_backward else ActionKind.B
     in_flight, held = [], []
     for actions in schedule.actions:
         count_b = count_last = peak_b = peak_last = 0
         for action in actions:
             kind = action[0]
-            count_b += (kind == "F") - (kind == "B")
-            count_last += (kind == "F") - (kind == last)
+            count_b += (kind == ActionKind.F) - (kind == ActionKind.B)
+            count_last += (kind == ActionKind.F) - (kind == last)
             peak_b, peak_last = max(peak_b, count_b), max(peak_last, count_last)
         in_flight.append(peak_b)
         held.append(peak_last)
@@ -229,7 +287,7 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float 
                      bubble, in_flight, held)
 
 
-def theoretical_bubble(name: str, n_ranks: int, n_microbatches: int, n_virtual: int = 1,
+def theoretical_bubble(name: ScheduleName, n_ranks: int, n_microbatches: int, n_virtual: int = 1,
                        t_f: float = 1.0, t_b: float = 2.0, t_w: float | None = None) -> float:
     """The textbook bubble fraction of a schedule (free communication).
 
@@ -238,6 +296,8 @@ def theoretical_bubble(name: str, n_ranks: int, n_microbatches: int, n_virtual: 
     * interleaved, and GPipe over ``v`` stages per rank (looped):
       ``(p - 1) / (v * m + p - 1)`` (Narayanan et al. 2021), exact for ``m >= p``
       (with fewer micro-batches than ranks the bubble is larger);
+    * ``"interleaved_zb"`` and ``"zbv"``: no formula (ValueError); :func:`simulate` gives
+      their bubble;
     * ZB-H1: idle time ``(p - 1) * (t_f + t_b - 2 t_w)`` per rank (Qi et al. 2023 write it
       ``(p - 1)(T_F + T_B - T_W)`` with ``T_B`` the input gradient alone), over the
       makespan ``m (t_f + t_b) + (p - 1)(t_f + t_b - 2 t_w)``; exact for ``m >= p`` when
@@ -263,4 +323,8 @@ def theoretical_bubble(name: str, n_ranks: int, n_microbatches: int, n_virtual: 
         t_w = t_b / 2 if t_w is None else t_w
         idle = (p - 1) * (t_f + t_b - 2 * t_w)
         return idle / (m * (t_f + t_b) + idle)
+    if name in ("interleaved_zb", "zbv"):
+        raise ValueError(f"theoretical_bubble: schedule {name!r} has no closed form here "
+                         "(its bubble depends on t_f, t_b, t_w and m together): use "
+                         "simulate(make_schedule(...)).bubble")
     raise ValueError(f"theoretical_bubble: unknown schedule {name!r}")

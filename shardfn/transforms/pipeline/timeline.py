@@ -47,18 +47,21 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
+from shardfn.transforms.pipeline.kinds import ActionKind, WaitKind
 from shardfn.transforms.pipeline.schedules import Schedule
 from shardfn.transforms.pipeline.simulate import SimResult
 
 __all__ = ["COMPUTE", "WAITS", "Timeline", "TimelineEvent", "from_actions", "from_simulation",
            "gather_events", "measured_bubble", "plot", "to_chrome_trace"]
 
-COMPUTE = ("F", "B", "W")
-WAITS = ("recv", "send")
-_COLOURS = {"F": "#4C72B0", "B": "#55A868", "W": "#C44E52", "recv": "#BBBBBB",
-            "send": "#DDDDDD"}
-_NAMES = {"F": "forward", "B": "backward", "W": "weight grad", "recv": "recv wait",
-          "send": "send wait"}
+COMPUTE: tuple[ActionKind, ...] = tuple(ActionKind)
+WAITS: tuple[WaitKind, ...] = tuple(WaitKind)
+#: what an event is: a compute action or a wait
+EventKind = ActionKind | WaitKind
+_COLOURS = {ActionKind.F: "#4C72B0", ActionKind.B: "#55A868", ActionKind.W: "#C44E52",
+            WaitKind.RECV: "#BBBBBB", WaitKind.SEND: "#DDDDDD"}
+_NAMES = {ActionKind.F: "forward", ActionKind.B: "backward", ActionKind.W: "weight grad",
+          WaitKind.RECV: "recv wait", WaitKind.SEND: "send wait"}
 
 
 class TimelineEvent(NamedTuple):
@@ -66,7 +69,8 @@ class TimelineEvent(NamedTuple):
 
     Attributes:
         rank: the pp rank.
-        kind: ``"F"``, ``"B"``, ``"W"`` (compute) or ``"recv"``, ``"send"`` (waits).
+        kind: ``"F"``, ``"B"``, ``"W"`` (compute, :class:`~.kinds.ActionKind`) or
+            ``"recv"``, ``"send"`` (waits, :class:`~.kinds.WaitKind`).
         stage: the stage (for a send wait covering several messages: any of them, or -1).
         microbatch: the micro-batch (-1 when not one).
         start: seconds, on the clock shared by all ranks.
@@ -75,7 +79,7 @@ class TimelineEvent(NamedTuple):
     """
 
     rank: int
-    kind: str
+    kind: EventKind
     stage: int
     microbatch: int
     start: float
@@ -102,7 +106,7 @@ class Timeline:
         self._lock = threading.Lock()
         self._events: list[TimelineEvent] = []
 
-    def record(self, rank: int, kind: str, stage: int, microbatch: int, start: float,
+    def record(self, rank: int, kind: EventKind, stage: int, microbatch: int, start: float,
                end: float, peer: int = -1) -> None:
         """Add one event (see :class:`TimelineEvent`); a ValueError on a bad kind or span."""
         if not self.enabled:
@@ -120,7 +124,7 @@ class Timeline:
             self._events.append(event)
 
     @contextlib.contextmanager
-    def span(self, rank: int, kind: str, stage: int, microbatch: int,
+    def span(self, rank: int, kind: EventKind, stage: int, microbatch: int,
              peer: int = -1) -> Iterator[None]:
         """Record the time the ``with`` body takes (recorded also when it raises)."""
         if not self.enabled:
@@ -162,7 +166,8 @@ def from_actions(rank: int, actions: Iterable[Any], offset: float = 0.0
     for a in actions:
         start, end, wait = a.start + offset, a.end + offset, max(0.0, min(a.wait, a.end - a.start))
         if wait > 0:
-            events.append(TimelineEvent(rank, "recv", a.stage, a.microbatch, start, start + wait))
+            events.append(TimelineEvent(rank, WaitKind.RECV, a.stage, a.microbatch, start,
+                                        start + wait))
         events.append(TimelineEvent(rank, a.kind, a.stage, a.microbatch, start + wait, end))
     return events
 
@@ -313,7 +318,7 @@ def plot(events: Sequence[TimelineEvent], path: str | Path, title: str | None = 
     ax.set_ylim(len(ranks) - 0.5, -0.5)
     ax.set_xlabel(f"time ({unit})")
     kinds = [k for k in COMPUTE + WAITS if any(e.kind == k for e in events)]
-    names = dict(_NAMES, B="input grad") if "W" in kinds else _NAMES
+    names = {**_NAMES, ActionKind.B: "input grad"} if ActionKind.W in kinds else _NAMES
     ax.legend(handles=[Patch(color=_COLOURS[k], label=names[k]) for k in kinds],
               loc="upper center", bbox_to_anchor=(0.5, -0.6 / (0.7 * len(ranks))),
               ncol=len(kinds), frameon=False, fontsize=8)

@@ -77,7 +77,9 @@ The package is layered one way (each module imports only those above it here):
 * ``plan``: the units and everything about them, computed once and frozen;
 * ``exchange``: a unit's gather and reduction;
 * the call, one ``apply``: ``tree``, ``unit_modes``, ``accumulator``, ``prefetch``,
-  ``deferred``, ``functions``, ``backward``, ``call``;
+  ``deferred``; ``record`` (what the call was given and what its forward did);
+  ``steps``, ``forward``, ``backward`` (functions over the call); ``functions`` (its
+  two ``autograd.Function`` s); ``call`` (``ApplyCall``, the holder of its parts);
 * ``compose``: what ``shard_params`` does with other model kinds (``with_precision``,
   sharded ones; docs/composing.md);
 * ``api``: :class:`ShardedModel` and :func:`shard_params`.

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -25,7 +25,11 @@ from shardfn.primitives.reduced import mark_reduced
 from shardfn.transforms.shard_params.exchange import Reduction, Tags
 from shardfn.transforms.shard_params.plan import Plan
 
-__all__ = ["Accumulator", "NoReduce", "reduce_accumulated", "reduce_once"]
+__all__ = ["AccumulateMode", "Accumulator", "NoReduce", "reduce_accumulated", "reduce_once"]
+
+#: ``accumulate_grads(mode=)``: one reduction per step (:func:`reduce_once`), or one per
+#: micro-batch (``sf.accumulate_grads`` over the normal path)
+AccumulateMode = Literal["reduce_once", "reduce_each"]
 
 Params = dict[str, torch.Tensor]
 
@@ -135,7 +139,8 @@ def reduce_once(mean_fn: Callable, k: int, token: object,
         for name, grad in reduce_accumulated(plan, accumulator, grads).items():
             if name in grads:
                 grads[name] = grads[name] + grad / k
-                mark_reduced((grads[name],), plan.all_ax, "sf.shard_params")
+                mark_reduced((grads[name],), plan.all_ax, "sf.shard_params",
+                             sharded=plan.ax if grads[name].dim() else ())
         return grads, loss
 
     return fn

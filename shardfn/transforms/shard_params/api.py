@@ -21,22 +21,24 @@ import torch
 from torch import nn
 
 from shardfn import pytree
+from shardfn._functional_layout import FunctionalNames
 from shardfn._functional_leaves import refuse_differentiated_state
 from shardfn.functional import FunctionalModel
 from shardfn.mesh import AxisName, Mesh
 from shardfn.primitives import consistency
-from shardfn.spec import Layout, shard
+from shardfn.spec import Layout
 from shardfn.transforms._fsdp_tp import over_tensor_split
 from shardfn.transforms.accumulate import accumulate_grads
 from shardfn.transforms.precision import Precision, cast_floating
 from shardfn.transforms.remat import Policy, nothing_saveable
-from shardfn.transforms.shard_params.accumulator import reduce_once
+from shardfn.transforms.shard_params import leaves
+from shardfn.transforms.shard_params.accumulator import AccumulateMode, reduce_once
 from shardfn.transforms.shard_params.call import ApplyCall
 from shardfn.transforms.shard_params.choose import UnitPolicy, resolve_units
-from shardfn.transforms.shard_params.compose import take_model
+from shardfn.transforms.shard_params.compose import take_model, take_remat
 from shardfn.transforms.shard_params.functions import RootFn
 from shardfn.transforms.shard_params.placement import OffloadPolicy, Placement
-from shardfn.transforms.shard_params.plan import Plan, Unit, make_plan
+from shardfn.transforms.shard_params.plan import GradReduce, Plan, Unit, make_plan
 from shardfn.transforms.shard_params.prefetch import PrefetchGuess
 from shardfn.transforms.shard_params.tree import TreeSpec
 from shardfn.transforms.tensor_split import TensorSplitModel
@@ -47,7 +49,7 @@ Params = dict[str, torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
-class ShardedModel:
+class ShardedModel(FunctionalNames):
     """A functional model whose parameters are sharded over a mesh axis; see :func:`shard_params`.
 
     Attributes:
@@ -59,7 +61,8 @@ class ShardedModel:
             everything outside them, is implicit).
         specs: leaf name -> :class:`~shardfn.spec.Layout` (``P(axis)`` on dim 0, or ``P()``
             for 0-dim parameters and buffers), with the global shape.
-        names: leaf names, as in ``functional.names``.
+        names: leaf names, as in ``functional.names`` (and ``param_names``, ``buffer_names``,
+            ``trainable_names``, ``frozen_names`` those of ``functional``).
         reshard_after_forward, prefetch, grad_reduce, precision, offload, remat: as given
             to :func:`shard_params` (``offload`` normalised to an :class:`OffloadPolicy`
             with the devices resolved, or None).
@@ -74,7 +77,7 @@ class ShardedModel:
     names: tuple[str, ...]
     reshard_after_forward: bool
     prefetch: int
-    grad_reduce: str
+    grad_reduce: GradReduce
     precision: Precision | None
     offload: OffloadPolicy | None
     remat: Policy | None
@@ -95,10 +98,8 @@ class ShardedModel:
         return self._plan.root
 
     def init(self, seed: int, device: torch.device | str | None = None) -> Params:
-        """This rank's shards of ``functional.init(seed)``, built one unit at a time.
-
-        The full model is never materialised: each unit's leaves are initialised
-        with ``functional.init_subset`` and sharded before the next unit's.
+        """This rank's shards of ``functional.init(seed)``, built one unit at a time (the
+        full model is never materialised: ``functional.init_subset`` of each unit).
 
         Args:
             seed: as for ``FunctionalModel.init``.
@@ -112,33 +113,49 @@ class ShardedModel:
         Example:
             >>> shards = model.init(0)
         """
-        if device is None:
-            place = self._plan.place
-            device = place.storage if place.offload else self.mesh.device
-        out: Params = {}
-        for paths in self._plan.init_groups:
-            full = self.functional.init_subset(seed, paths, device=device)
-            consistency.check_replicated("shard_params.init", self._plan.all_ax, full)
-            out.update(self._shard_leaves(full))
-            del full  # one unit's full leaves alive at a time
-        return {name: out[name] for name in self.names}
+        return leaves.init_shards(self._plan, seed, device)
 
-    def shard(self, full_params: Mapping[str, torch.Tensor]) -> Params:
-        """This rank's shards (fresh tensors, zero-padded) of a full params tree.
+    def shard(self, tree: Mapping[str, torch.Tensor]) -> Params:
+        """This rank's shards (fresh tensors, zero-padded) of full leaves, any subset of them.
 
         Args:
-            full_params: ``name -> full tensor`` as ``functional.init`` returns.
+            tree: ``name -> full tensor`` for any of the leaves: ``functional.init``'s
+                tree, a gradient tree, the trainable part of ``split_trainable``.
 
         Returns:
-            ``name -> local shard`` (on the storage device with ``offload``).
+            ``name -> local shard`` in ``names`` order (on the storage device with
+            ``offload``); ``model.gather`` is its inverse.
 
         Example:
             >>> shards = model.shard(fmodel.init(0))
         """
-        self.functional.check(full_params)
-        consistency.check_replicated("shard_params.shard", self._plan.all_ax,
-                                     full_params)
-        return self._shard_leaves(full_params)
+        return leaves.shard_leaves(self._plan, tree, "shard_params.shard")
+
+    def gather(self, tree: Mapping[str, torch.Tensor]) -> Params:
+        """The full leaves from every rank's shards, any subset of them; differentiable.
+
+        One all-gather per leaf over ``axis`` (HSDP: the shards are the same over
+        ``replicate_axis``), as ``sf.gather(tree, model.specs, mesh)``.
+
+        Args:
+            tree: ``name -> local shard`` for any of the leaves (shards, the shard gradients
+                of ``torch.func.grad``, the trainable part); every rank passes the same names.
+
+        Returns:
+            ``name -> full tensor`` in ``names`` order, equal on every rank.
+
+        Example:
+            >>> full = model.gather(model.init(0))   # == fmodel.init(0)
+        """
+        return leaves.gather_leaves(self._plan, tree, "shard_params.gather")
+
+    def params_from(self, module: nn.Module) -> Params:
+        """This rank's shards of a module's values: ``shard(functional.params_from(module))``.
+
+        Example:
+            >>> shards = model.params_from(net)
+        """
+        return self.shard(self.functional.params_from(module))
 
     def apply(self, shards: Mapping[str, torch.Tensor], *args: Any, mutable: bool = False,
               **kwargs: Any) -> Any:
@@ -181,7 +198,7 @@ class ShardedModel:
         refuse_differentiated_state(shards, self.functional.buffer_names,
                                     self.functional.frozen_names, "shard_params.apply")
         consistency.check_call("shard_params.apply", self._plan.all_ax, (args, kwargs))
-        plan = self._plan_for(tuple(shards[name].dtype for name in self.names))
+        plan = leaves.plan_for(self._plan, self._variants, shards)
         place, precision = plan.place, self.precision
         if place.offload:  # inputs go where the units compute (differentiably)
             args, kwargs = pytree.tree_map_deep(
@@ -221,11 +238,7 @@ class ShardedModel:
             >>> train, rest = model.split_trainable(model.init(0))
             >>> grads = torch.func.grad(lambda t: loss(model.merge(t, rest)))(train)
         """
-        self.check(shards)
-        trainable_set = self._plan.trainable_set
-        trainable = {n: shards[n] for n in self.names if n in trainable_set}
-        rest = {n: shards[n] for n in self.names if n not in trainable_set}
-        return trainable, rest
+        return leaves.split_trainable(self._plan, shards)
 
     def merge(self, trainable: Mapping[str, torch.Tensor],
               rest: Mapping[str, torch.Tensor]) -> Params:
@@ -244,26 +257,10 @@ class ShardedModel:
         Example:
             >>> shards = model.merge(*model.split_trainable(shards))
         """
-        overlap = sorted(set(trainable) & set(rest))
-        if overlap:
-            raise ValueError(f"merge: names present in both trainable and rest: {overlap}")
-        both = {**rest, **trainable}
-        self.check(both)
-        return {name: both[name] for name in self.names}
-
-    def _plan_for(self, dtypes: tuple[torch.dtype, ...]) -> Plan:
-        """The plan for leaves of ``dtypes`` (in ``names`` order): the model's own for its
-        own dtypes, else a cached variant (float64 shards of a float32 module)."""
-        plan = self._plan
-        if dtypes == tuple(plan.masters[name] for name in self.names):
-            return plan
-        variant = self._variants.get(dtypes)
-        if variant is None:
-            variant = self._variants[dtypes] = plan.for_dtypes(dtypes)
-        return variant
+        return leaves.merge(self._plan, trainable, rest)
 
     def accumulate_grads(self, loss_fn: Callable, num_micro_batches: int,
-                         mode: str = "reduce_once") -> Callable:
+                         mode: AccumulateMode = "reduce_once") -> Callable:
         """``grad_and_value`` of ``loss_fn`` over ``k`` micro-batches, reduced once or each time.
 
         The batch (every tensor leaf, along dim 0) is split into ``k`` equal
@@ -306,8 +303,8 @@ class ShardedModel:
         if mode == "reduce_each":  # every micro-batch reduce-scatters: sf.accumulate_grads
             return mean_fn
         return reduce_once(mean_fn, num_micro_batches, self._plan.token, lambda masters: (
-            self._plan if masters is None
-            else self._plan_for(tuple(masters[name] for name in self.names))))
+            self._plan if masters is None else leaves.plan_for(self._plan, self._variants,
+                                                               masters)))
 
     def check(self, shards: Mapping[str, torch.Tensor]) -> None:
         """Raise a ``ValueError``/``TypeError`` naming the leaf unless ``shards`` fits ``specs``."""
@@ -316,7 +313,7 @@ class ShardedModel:
     def train(self, mode: bool = True) -> ShardedModel:
         """The same sharded model over ``functional.train(mode)``."""
         return shard_params(self.functional.train(mode), self.mesh, axis=self.axis,
-                            units=list(self.units) or None, prefetch=self.prefetch,
+                            units=list(self.units), prefetch=self.prefetch,
                             reshard_after_forward=self.reshard_after_forward,
                             replicate_axis=self.replicate_axis, grad_reduce=self.grad_reduce,
                             precision=self.precision, offload=self.offload, remat=self.remat)
@@ -324,12 +321,6 @@ class ShardedModel:
     def eval(self) -> ShardedModel:
         """Same as ``train(False)``."""
         return self.train(False)
-
-    def _shard_leaves(self, full: Mapping[str, torch.Tensor]) -> Params:
-        over = self._plan.all_ax.names  # (over tensor_split: the TP shards differ over tp)
-        return {name: self._plan.place.store(shard(x, self.specs[name], self.mesh,
-                                                   replicated_over=over).clone())
-                for name, x in full.items()}
 
     def __repr__(self) -> str:
         return (f"ShardedModel({type(self.functional.module).__name__}, axis={self.axis!r}, "
@@ -348,7 +339,7 @@ def shard_params(
     reshard_after_forward: bool = True,
     prefetch: int = 1,
     replicate_axis: AxisName | None = None,
-    grad_reduce: str = "mean",
+    grad_reduce: GradReduce = "mean",
     precision: Precision | None = None,
     offload: OffloadPolicy | bool | None = None,
     remat: Policy | None = None,
@@ -408,6 +399,7 @@ def shard_params(
     if isinstance(model, nn.Module):
         raise TypeError("shard_params takes a functional model: shard_params(sf.functional("
                         "module), mesh, ...)")
+    model, remat = take_remat(model, remat)  # sf.remat(m, r) is remat=r: see compose.py
     model, precision = take_model(model, precision, axis, ShardedModel)  # see compose.py
     if isinstance(model, TensorSplitModel):  # FSDP + TP on a 2-D mesh: see _fsdp_tp.py
         return over_tensor_split(shard_params, model, mesh, axis, resolve_units(

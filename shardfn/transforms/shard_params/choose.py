@@ -1,8 +1,14 @@
 """Choosing the units of a `shard_params` model (the ``units=`` argument).
 
+By default (``units=None``) a Hugging Face model's units are the instances of its
+``_no_split_modules`` classes (its decoder or encoder layers, as Hugging Face's FSDP
+auto-wrap chooses them); any other model is one unit. An empty list asks for one unit.
+
 Example:
     >>> resolve_units(fmodel, Block)        # every Block, outermost first
     ('blocks.0', 'blocks.1')
+    >>> resolve_units(sf.functional(llama), None)
+    ('model.layers.0', 'model.layers.1')
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from shardfn._functional_hf import no_split_classes
 from shardfn.functional import FunctionalModel
 
 __all__ = ["UnitPolicy", "resolve_units", "suggest"]
@@ -23,12 +30,27 @@ UnitPolicy = type | tuple[type, ...] | int | Sequence[str] | None
 def resolve_units(model: FunctionalModel, units: UnitPolicy) -> tuple[str, ...]:
     """The module paths of the units ``units`` chooses, outermost, in registration order.
 
+    Args:
+        model: the functional model whose skeleton the paths are in.
+        units: a module class or tuple of classes, a minimum parameter count, a list of
+            module paths (empty: no unit but the root), or None: the modules of a Hugging
+            Face model's ``_no_split_modules`` classes, else no unit but the root.
+
+    Returns:
+        The unit paths (the root unit, everything outside them, is implicit).
+
     Raises:
         TypeError / ValueError: a policy of the wrong kind, or one that matches nothing
             (the message lists what exists).
+
+    Example:
+        >>> resolve_units(fmodel, 1000)     # the smallest modules of >= 1000 elements
+        ('blocks.0.attn', 'blocks.0.mlp', 'blocks.1.attn', 'blocks.1.mlp')
     """
     named = dict(model.module.named_modules())
     if units is None:
+        return _no_split_units(named)
+    if isinstance(units, Sequence) and not isinstance(units, str) and len(units) == 0:
         return ()
     if isinstance(units, type) or (isinstance(units, tuple) and units
                                    and all(isinstance(u, type) for u in units)):
@@ -65,6 +87,13 @@ def resolve_units(model: FunctionalModel, units: UnitPolicy) -> tuple[str, ...]:
             raise ValueError(f"unit {path!r} is a {type(named[path]).__name__}, which has no "
                              f"forward to run; choose the modules inside it")
     return tuple(outermost)
+
+
+def _no_split_units(named: dict[str, nn.Module]) -> tuple[str, ...]:
+    """The outermost modules whose class a Hugging Face model names in ``_no_split_modules``."""
+    classes = no_split_classes(named[""])
+    chosen = [p for p, m in named.items() if p and type(m).__name__ in classes and _callable(m)]
+    return tuple(p for p in chosen if not any(p.startswith(q + ".") for q in chosen if q != p))
 
 
 def _callable(module: nn.Module) -> bool:

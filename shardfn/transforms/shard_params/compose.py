@@ -14,9 +14,12 @@ And the other way round, ``sf.with_precision(shard_params(fm, ...), p)`` is the
 sharded model rebuilt with ``precision=p`` (:func:`register` tells ``with_precision``
 how), so the three spellings are one model: same values, gradients and bytes.
 
-Remat is an option of the sharded model, not a model kind: ``sf.remat`` wraps
-functions, so ``shard_params(fm, mesh, "dp", remat=policy)`` is the way to
-rematerialise each unit (a function given to ``shard_params`` is refused saying so).
+Remat the same way (:func:`take_remat`): ``shard_params(sf.remat(fm, r), mesh, "dp")``
+is ``shard_params(fm, mesh, "dp", remat=r)``, each unit rematerialised (FSDP x TP too:
+``shard_params(sf.remat(sf.tensor_split(fm, ...), r), ...)``); with ``remat=q`` as well,
+``q`` must be ``r``. A function (``sf.remat(fm.apply)``) is refused saying so. The other
+way round, ``sf.remat(shard_params(fm, ...), r)`` stays a ``RematModel`` over the sharded
+model: the whole call, all-gathers included, recomputed in backward.
 
 Example:
     >>> model, precision = take_model(sf.with_precision(fm, p), None, "dp", ShardedModel)
@@ -29,10 +32,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from shardfn.model import refuse_pipeline
 from shardfn.transforms._fsdp_tp import FsdpTpModel
 from shardfn.transforms.precision import Precision, split_precision, takes_precision
+from shardfn.transforms.recording import Policy
+from shardfn.transforms.remat_model import split_remat
 
-__all__ = ["register", "take_model"]
+__all__ = ["register", "take_model", "take_remat"]
 
 #: the ShardedModel fields that are shard_params keywords (``precision`` and ``units`` apart)
 _OPTIONS = ("reshard_after_forward", "prefetch", "replicate_axis", "grad_reduce", "offload",
@@ -41,6 +47,40 @@ _OPTIONS = ("reshard_after_forward", "prefetch", "replicate_axis", "grad_reduce"
 
 def _axes(axis: Any) -> tuple[str, ...]:
     return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def _policy_name(policy: Policy) -> str:
+    return getattr(policy, "__name__", repr(policy))
+
+
+def take_remat(model: Any, remat: Policy | None) -> tuple[Any, Policy | None]:
+    """The model ``shard_params`` shards and its ``remat=`` policy: ``sf.remat(m, r)`` is
+    ``m`` with ``remat=r`` (called before :func:`take_model`).
+
+    Args:
+        model: what was given to ``shard_params``.
+        remat: its ``remat=`` keyword.
+
+    Returns:
+        ``(model, remat)``: a ``RematModel`` taken off, its policy as ``remat``; anything
+        else unchanged.
+
+    Raises:
+        ValueError: ``remat=`` is another policy than the ``RematModel``'s.
+
+    Example:
+        >>> take_remat(sf.remat(fm, p), None) == (fm, p)
+        True
+    """
+    inner, policy = split_remat(model)
+    if policy is None:
+        return model, remat
+    if remat is not None and remat is not policy and remat != policy:
+        raise ValueError(f"shard_params: the model is sf.remat(..., {_policy_name(policy)}) "
+                         f"and remat={_policy_name(remat)} was passed too; one model has one "
+                         f"remat policy: shard_params(fm, mesh, axis, remat=policy), or "
+                         f"shard_params(sf.remat(fm, policy), mesh, axis)")
+    return inner, policy
 
 
 def take_model(model: Any, precision: Precision | None, axis: Any,
@@ -67,6 +107,7 @@ def take_model(model: Any, precision: Precision | None, axis: Any,
         >>> take_model(sf.with_precision(fm, p), p, "dp", ShardedModel) == (fm, p)
         True
     """
+    refuse_pipeline(model, "shard_params")
     inner, policy = split_precision(model)
     if policy is not None:
         if precision is not None and precision != policy:
@@ -90,14 +131,15 @@ def take_model(model: Any, precision: Precision | None, axis: Any,
         raise TypeError(f"shard_params takes a model (sf.functional(module)), got the function "
                         f"{getattr(model, '__name__', model)!r}; to rematerialise each unit "
                         f"pass remat=: shard_params(fm, mesh, axis, "
-                        f"remat=sf.checkpoint_policies.nothing_saveable)")
+                        f"remat=sf.checkpoint_policies.nothing_saveable), or the model: "
+                        f"shard_params(sf.remat(fm, policy), mesh, axis)")
     return model, precision
 
 
 def _rebuild(shard_fn: Callable, model: Any, policy: Precision) -> Any:
     """``model`` (a ShardedModel) built again by ``shard_fn`` with ``precision=policy``."""
     options = {name: getattr(model, name) for name in _OPTIONS}
-    return shard_fn(model.functional, model.mesh, model.axis, units=list(model.units) or None,
+    return shard_fn(model.functional, model.mesh, model.axis, units=list(model.units),
                     precision=policy, **options)
 
 

@@ -320,7 +320,10 @@ class Reduction:
                 else (reduced * pre if pre != 1.0 else reduced)
             out[name] = place.to_storage(scaled)
         # a second reduction over this axis (data_parallel, shard_opt_state) is refused
-        mark_reduced(out.values(), plan.all_ax, "sf.shard_params")
+        mark_reduced([t for n, t in out.items() if n not in self.replicated], plan.all_ax,
+                     "sf.shard_params", sharded=plan.ax)
+        mark_reduced([out[n] for n in self.replicated if n in out], plan.all_ax,
+                     "sf.shard_params", sharded=())
         return out
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import math
-from collections.abc import Collection, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -34,20 +34,23 @@ from shardfn.transforms.remat import Policy
 from shardfn.transforms.shard_params.choose import UnitPolicy, resolve_units, suggest
 from shardfn.transforms.shard_params.placement import Placement
 
-__all__ = ["RUNNING", "Flat", "Plan", "Unit", "UnitCall", "build_units", "init_groups",
-           "make_plan"]
+__all__ = ["RUNNING", "Flat", "GradReduce", "Plan", "Running", "Unit", "UnitCall",
+           "build_units", "init_groups", "make_plan"]
+
+#: ``grad_reduce=``: divide the reduced gradients by the data-parallel ranks, or not
+GradReduce = Literal["mean", "sum"]
 
 
-class RunningCall(Protocol):
-    """What a :class:`UnitCall` needs of the running ``apply`` (``call.ApplyCall``)."""
+class Running(NamedTuple):
+    """The ``apply`` call whose root module runs in this context, as its :class:`UnitCall` s
+    see it."""
 
-    plan: Plan
-
-    def call_unit(self, index: int, args: tuple, kwargs: dict) -> Any: ...
+    token: object  # the plan's token: a UnitCall of another model refuses the call
+    call_unit: Callable[[int, tuple, dict], Any]  # (unit index, args, kwargs) -> output
 
 
 #: the ``apply`` call whose root forward (or its recompute) is running in this context
-RUNNING: contextvars.ContextVar[RunningCall | None] = contextvars.ContextVar(
+RUNNING: contextvars.ContextVar[Running | None] = contextvars.ContextVar(
     "shardfn_shard_params_running", default=None)
 
 # ================================================================ the plan of each unit
@@ -124,10 +127,10 @@ class UnitCall(nn.Module):
         self._shardfn_index = index
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        call = RUNNING.get()
-        if call is None or call.plan.token is not self.__dict__["_shardfn_token"]:
+        running = RUNNING.get()
+        if running is None or running.token is not self.__dict__["_shardfn_token"]:
             raise RuntimeError("a shard_params unit was called outside its model's apply()")
-        return call.call_unit(self._shardfn_index, args, kwargs)
+        return running.call_unit(self._shardfn_index, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:  # attributes the root reads (never parameters)
         try:
@@ -274,7 +277,7 @@ class Plan:
     trainable_set: frozenset[str]
     unit_trainable: tuple[str, ...]
     init_groups: tuple[tuple[str, ...], ...]
-    grad_reduce: str
+    grad_reduce: GradReduce
     prefetch: int
     reshard_after_forward: bool
     save: bool
@@ -324,7 +327,7 @@ class Plan:
 
 
 def make_plan(model: FunctionalModel, mesh: Mesh, axis: AxisName, *, units: UnitPolicy,
-              replicate_axis: AxisName | None, place: Placement, grad_reduce: str,
+              replicate_axis: AxisName | None, place: Placement, grad_reduce: GradReduce,
               prefetch: int, reshard_after_forward: bool, save: bool,
               policy: Policy | None) -> Plan:
     """Choose the units and plan them (arguments as for ``shard_params``, validated there).

@@ -7,9 +7,10 @@ previous forward (at first the registration order). A wrong guess wastes a
 gather (completed and dropped), never a result.
 
 Example:
-    >>> prefetcher = Prefetcher(plan, guess, order, start, skip)
+    >>> prefetcher = Prefetcher(plan, guess, start, skip)
     >>> gather = prefetcher.take(Phase.FORWARD, 0, unit)   # prefetched, or issued now
     >>> prefetcher.ahead(Phase.FORWARD, 0)                 # the next calls' gathers
+    >>> prefetcher.ahead(Phase.BACKWARD, 5, order)         # the calls before 5 in ``order``
 """
 
 from __future__ import annotations
@@ -63,14 +64,13 @@ class Prefetcher:
     Args:
         plan: the model's plan (``prefetch`` calls ahead).
         guess: the forward's guess of the call order.
-        order: this call's unit order so far (backward walks it in reverse).
         start: issues the gather of a unit for a call ``(unit, phase, position)``.
         skip: whether a unit index needs no gather (its full parameters are kept).
     """
 
-    def __init__(self, plan: Plan, guess: PrefetchGuess, order: Sequence[int],
+    def __init__(self, plan: Plan, guess: PrefetchGuess,
                  start: Callable[[Unit, Phase, int], UnitGather], skip: Callable[[int], bool]):
-        self.plan, self.guess, self.order = plan, guess, order
+        self.plan, self.guess = plan, guess
         self.start, self.skip = start, skip
         self.pending: dict[tuple[Phase, int], UnitGather] = {}
 
@@ -84,14 +84,14 @@ class Prefetcher:
             pending = self.start(unit, phase, position)
         return pending
 
-    def ahead(self, phase: Phase, position: int) -> None:
+    def ahead(self, phase: Phase, position: int, order: Sequence[int] = ()) -> None:
         """Issue the gathers of the ``prefetch`` calls after ``position`` (forward: the
-        guessed ones; backward: the calls before it in forward order)."""
+        guessed ones; backward: the calls before it in ``order``, the forward's)."""
         if phase is Phase.FORWARD:
             ahead = [(q, self.guess.unit_at(q))
                      for q in range(position + 1, position + 1 + self.plan.prefetch)]
         else:
-            ahead = [(q, self.order[q])
+            ahead = [(q, order[q])
                      for q in range(position - 1, position - 1 - self.plan.prefetch, -1) if q >= 0]
         for q, index in ahead:
             if index is not None and (phase, q) not in self.pending and not self.skip(index):

@@ -1,6 +1,5 @@
 """Small pieces the call layer of `shard_params` is built from: argument trees taken
-apart for ``autograd.Function`` s, what a unit call leaves for backward, plain tensors,
-module calls, recorded vjps, RNG.
+apart for ``autograd.Function`` s, plain tensors, module calls, recorded vjps.
 
 Example:
     >>> spec, tensors = TreeSpec.of((args, kwargs))
@@ -9,7 +8,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -18,11 +16,10 @@ import torch
 from shardfn import pytree
 from shardfn._functional_swap import call_module as swap_call
 from shardfn._torch_internals import temporarily_clear_interpreter_stack, unwrap_functorch
-from shardfn.transforms.recording import RngState
-from shardfn.transforms.shard_params.exchange import UnitGather, no_functorch
+from shardfn.transforms.shard_params.exchange import no_functorch
 from shardfn.transforms.shard_params.plan import Unit
 
-__all__ = ["CallRecord", "TreeSpec", "arguments_signature", "call_module", "check_arguments_kept",
+__all__ = ["TreeSpec", "arguments_signature", "call_module", "check_arguments_kept",
            "detached", "float_outputs", "is_float", "plain", "recorded_vjp"]
 
 Params = dict[str, torch.Tensor]
@@ -55,21 +52,6 @@ class TreeSpec(NamedTuple):
         tensors, constants = iter(tensors), iter(self.constants)
         leaves = [next(tensors) if t else next(constants) for t in self.is_tensor]
         return pytree.tree_unflatten_deep(self.treedef, leaves)
-
-
-@dataclasses.dataclass
-class CallRecord:
-    """What one unit call in forward leaves for its backward."""
-
-    outputs: list[torch.Tensor]  # its output tensors, handed back by UnitFn.forward
-    versions: list[int]  # their version counters, to catch in-place changes
-    spec: TreeSpec
-    rng_before: RngState
-    rng_after: RngState
-    replay: dict | None = None  # the remat policy's saved op outputs inside the unit
-    vjp_fn: Callable | None = None  # activations kept (remat=None): the unit's vjp
-    gather: UnitGather | None = None  # its full parameters (storage released until backward)
-    buffers: Params | None = None  # its buffers as the call found them (for a recompute)
 
 
 def call_module(unit: Unit, params: Params, args: tuple, kwargs: dict) -> Any:

@@ -219,20 +219,20 @@ def _posted_before_the_first_action(schedule: str, virtual: int):
                          microbatches=4, loss_fn=mse, virtual=virtual, shapes=_declared(8, 4))
     params = pp.init(0)
     pp.value_and_grad(params, *batch(8, seed=1))  # the loss is declared from the 2nd step
-    seen, original = [], runtime.StepState.run
+    seen, original = [], runtime.run_action
 
-    def run(self, action):
+    def run_action(step, progress, action):  # the driver runs each action through this
         if not seen:
-            seen.append(set(self.messenger.posted))
-        posts = len(self.messenger.posted) + len(self.messenger.received)
-        original(self, action)
-        seen.append(len(self.messenger.posted) + len(self.messenger.received) - posts)
+            seen.append(set(step.messenger.posted))
+        posts = len(step.messenger.posted) + len(step.messenger.received)
+        original(step, progress, action)
+        seen.append(len(step.messenger.posted) + len(step.messenger.received) - posts)
 
-    runtime.StepState.run = run
+    runtime.run_action = run_action
     try:
         loss, grads = pp.value_and_grad(params, *batch(8, seed=2))
     finally:
-        runtime.StepState.run = original
+        runtime.run_action = original
     expected = set(message_lists(pp.plan.schedule, pp.plan.ax.index)[1])
     return seen[0], expected, seen[1:], loss, grads
 

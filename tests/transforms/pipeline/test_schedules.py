@@ -5,14 +5,20 @@ All single-process: the schedules are data and ``simulate`` runs them on a clock
 
 from __future__ import annotations
 
+import pickle
+from typing import get_args
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardfn.transforms.pipeline.kinds import ActionKind, MessageKind, Status
+from shardfn.transforms.pipeline.messages import message_lists
 from shardfn.transforms.pipeline.schedules import (
     SCHEDULES,
     Action,
     Schedule,
+    ScheduleName,
     interleaved_round,
     make_schedule,
 )
@@ -262,3 +268,23 @@ def test_order_is_torchs(name, cls_name, v, p):
             pytest.skip(f"torch's {cls_name} has no per-rank order method")
         ours = make_schedule(name, p, m, v)
         assert [_show(ours, r) for r in range(p)] == theirs, (p, m, v)
+
+
+def test_kinds_are_enums_that_read_as_their_strings():
+    """Schedules and message lists hold enum members; each one compares, hashes, prints
+    and pickles as its string, so hand-written string schedules and keys still work."""
+    assert set(get_args(ScheduleName)) == set(SCHEDULES)
+    schedule = make_schedule("zb-h1", 2, 2)
+    kinds = {a.kind for actions in schedule.actions for a in actions}
+    assert kinds == set(ActionKind) and all(type(k) is ActionKind for k in kinds)
+    owed, expected = message_lists(schedule, 0)
+    assert all(type(key[0]) is MessageKind for key, _ in owed + expected)
+    key = (MessageKind.ACT, 0, 1)
+    assert {("act", 0, 1): 5}[key] == 5 and key == ("act", 0, 1)
+    assert repr(key) == "('act', 0, 1)" and f"{ActionKind.W}{3}" == "W3"
+    assert pickle.loads(pickle.dumps(key))[0] is MessageKind.ACT
+    assert int(Status.ERROR) == 1 and MessageKind("grad") is MessageKind.GRAD
+    hand_written = schedule._replace(actions=tuple(
+        tuple(Action(str(a.kind.value), a.stage, a.microbatch) for a in actions)
+        for actions in schedule.actions))
+    assert simulate(hand_written) == simulate(schedule)
