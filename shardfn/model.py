@@ -48,7 +48,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-__all__ = ["MEMBERS", "Model", "missing_members", "refuse_pipeline"]
+__all__ = ["MEMBERS", "Model", "WrapsModel", "missing_members", "refuse_pipeline"]
 
 Params = dict[str, torch.Tensor]
 
@@ -158,3 +158,76 @@ def refuse_pipeline(model: Any, transform: str) -> None:
             f"step; apply {transform} to each stage model instead, then pipeline them: "
             f"split = sf.pipeline_split(units, balance); sf.pipeline_stages("
             f"[sf.{transform}(stage, ...) for stage in split], mesh, 'pp', ...)")
+
+
+class WrapsModel:
+    """Base of a model kind that wraps another, ``inner``, and changes only ``apply``
+    (``with_precision``, ``remat``): every other member of the protocol is ``inner``'s.
+
+    A subclass is a frozen dataclass with an ``inner`` field; it writes ``apply``,
+    ``train`` and ``eval`` (a copy over ``inner.train(mode)`` with its own options).
+
+    Example:
+        >>> @dataclasses.dataclass(frozen=True)
+        ... class Doubled(WrapsModel):
+        ...     inner: Any
+        ...     def apply(self, params, *args, mutable=False, **kwargs):
+        ...         return 2 * self.inner.apply(params, *args, **kwargs)
+    """
+
+    inner: Any
+
+    @property
+    def functional(self) -> Any:
+        """``inner.functional``: the unsharded model this one computes."""
+        return self.inner.functional
+
+    @property
+    def mesh(self) -> Any:
+        """``inner.mesh``."""
+        return self.inner.mesh
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """``inner.names``: this rank's leaves."""
+        return self.inner.names
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return self.inner.param_names
+
+    @property
+    def buffer_names(self) -> tuple[str, ...]:
+        return self.inner.buffer_names
+
+    @property
+    def trainable_names(self) -> tuple[str, ...]:
+        return self.inner.trainable_names
+
+    @property
+    def frozen_names(self) -> tuple[str, ...]:
+        return self.inner.frozen_names
+
+    @property
+    def specs(self) -> Mapping[str, Any]:
+        """``inner.specs``: the layouts of this rank's leaves."""
+        return self.inner.specs
+
+    def init(self, seed: int, device: torch.device | str | None = None) -> Params:
+        return self.inner.init(seed, device)
+
+    def params_from(self, module: nn.Module) -> Params:
+        return self.inner.params_from(module)
+
+    def shard(self, tree: Mapping[str, torch.Tensor]) -> Params:
+        return self.inner.shard(tree)
+
+    def gather(self, tree: Mapping[str, torch.Tensor]) -> Params:
+        return self.inner.gather(tree)
+
+    def split_trainable(self, params: Mapping[str, torch.Tensor]) -> tuple[Params, Params]:
+        return self.inner.split_trainable(params)
+
+    def merge(self, trainable: Mapping[str, torch.Tensor],
+              rest: Mapping[str, torch.Tensor]) -> Params:
+        return self.inner.merge(trainable, rest)

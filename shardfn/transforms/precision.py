@@ -44,6 +44,7 @@ import torch
 
 from shardfn import pytree
 from shardfn._functional_leaves import refuse_differentiated_state
+from shardfn.model import WrapsModel
 from shardfn.transforms.remat_model import remat_model, split_remat
 
 __all__ = ["Precision", "cast_floating", "split_precision", "takes_precision", "with_precision"]
@@ -113,7 +114,7 @@ def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class _PrecisionModel:
+class _PrecisionModel(WrapsModel):
     """``with_precision(inner, policy)``: ``apply`` computes under ``policy``; every other
     member of the model protocol (:mod:`shardfn.model`) is ``inner``'s (the leaves, their
     layouts, shard/gather are the master ones), and other attributes pass through."""
@@ -121,56 +122,7 @@ class _PrecisionModel:
     inner: Any
     policy: Precision
 
-    @property
-    def functional(self) -> Any:
-        """``inner.functional``: the unsharded model (without the policy)."""
-        return self.inner.functional
-
-    @property
-    def mesh(self) -> Any:
-        return self.inner.mesh
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self.inner.names
-
-    @property
-    def param_names(self) -> tuple[str, ...]:
-        return self.inner.param_names
-
-    @property
-    def buffer_names(self) -> tuple[str, ...]:
-        return self.inner.buffer_names
-
-    @property
-    def trainable_names(self) -> tuple[str, ...]:
-        return self.inner.trainable_names
-
-    @property
-    def frozen_names(self) -> tuple[str, ...]:
-        return self.inner.frozen_names
-
-    @property
-    def specs(self) -> Any:
-        return self.inner.specs
-
-    def init(self, seed: int, *args, **kwargs):
-        return self.inner.init(seed, *args, **kwargs)
-
-    def params_from(self, module):
-        return self.inner.params_from(module)
-
-    def shard(self, tree):
-        return self.inner.shard(tree)
-
-    def gather(self, tree):
-        return self.inner.gather(tree)
-
-    def split_trainable(self, params):
-        return self.inner.split_trainable(params)
-
-    def merge(self, trainable, rest):
-        return self.inner.merge(trainable, rest)
+    # every other member of the protocol is inner's (shardfn.model.WrapsModel)
 
     def apply(self, params, *args, mutable: bool = False, **kwargs):
         policy = self.policy  # checked before the cast, which may leave no_grad copies

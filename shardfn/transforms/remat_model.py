@@ -41,10 +41,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
 from shardfn._functional_leaves import refuse_differentiated_state
-from shardfn.model import refuse_pipeline
+from shardfn.model import WrapsModel, refuse_pipeline
 from shardfn.transforms.recording import Policy
 
 __all__ = ["RematModel", "is_model", "remat_model", "rematerialise_with", "split_remat"]
@@ -89,7 +88,7 @@ def _policy_name(policy: Policy) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class RematModel:
+class RematModel(WrapsModel):
     """A model whose ``apply`` is rematerialised whole by ``policy``; see :func:`remat_model`.
 
     Attributes:
@@ -147,72 +146,7 @@ class RematModel:
         """Same as ``train(False)``."""
         return self.train(False)
 
-    # ---------------------------------------------------------------- inner's members
-
-    @property
-    def functional(self) -> Any:
-        """``inner.functional``: the unsharded model this one computes."""
-        return self.inner.functional
-
-    @property
-    def mesh(self) -> Any:
-        """``inner.mesh``."""
-        return self.inner.mesh
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """``inner.names``: this rank's leaves."""
-        return self.inner.names
-
-    @property
-    def param_names(self) -> tuple[str, ...]:
-        """``inner.param_names``."""
-        return self.inner.param_names
-
-    @property
-    def buffer_names(self) -> tuple[str, ...]:
-        """``inner.buffer_names``."""
-        return self.inner.buffer_names
-
-    @property
-    def trainable_names(self) -> tuple[str, ...]:
-        """``inner.trainable_names``."""
-        return self.inner.trainable_names
-
-    @property
-    def frozen_names(self) -> tuple[str, ...]:
-        """``inner.frozen_names``."""
-        return self.inner.frozen_names
-
-    @property
-    def specs(self) -> Mapping[str, Any]:
-        """``inner.specs``: the layouts of this rank's leaves."""
-        return self.inner.specs
-
-    def init(self, seed: int, device: torch.device | str | None = None) -> Params:
-        """``inner.init(seed, device)``."""
-        return self.inner.init(seed, device)
-
-    def params_from(self, module: nn.Module) -> Params:
-        """``inner.params_from(module)``."""
-        return self.inner.params_from(module)
-
-    def shard(self, tree: Mapping[str, torch.Tensor]) -> Params:
-        """``inner.shard(tree)``: this rank's leaves of full ones."""
-        return self.inner.shard(tree)
-
-    def gather(self, tree: Mapping[str, torch.Tensor]) -> Params:
-        """``inner.gather(tree)``: the full leaves of this rank's ones."""
-        return self.inner.gather(tree)
-
-    def split_trainable(self, params: Mapping[str, torch.Tensor]) -> tuple[Params, Params]:
-        """``inner.split_trainable(params)``."""
-        return self.inner.split_trainable(params)
-
-    def merge(self, trainable: Mapping[str, torch.Tensor],
-              rest: Mapping[str, torch.Tensor]) -> Params:
-        """``inner.merge(trainable, rest)``."""
-        return self.inner.merge(trainable, rest)
+    # every other member of the protocol is inner's (shardfn.model.WrapsModel)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "inner":
