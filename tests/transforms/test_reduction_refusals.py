@@ -150,7 +150,7 @@ def test_overlap_of_axes(done, again, refused):
     assert reduced.overlaps(over, _axis(*again)) is refused
 
 
-def test_marks_follow_the_storage_and_die_with_it():
+def test_marks_follow_the_storage_and_die_with_it(monkeypatch):
     ax = _axis(("dp",), (0, 1))
     g = torch.randn(4)
     reduced.mark_reduced([g], ax, "test")
@@ -158,9 +158,10 @@ def test_marks_follow_the_storage_and_die_with_it():
     assert reduced.reduced_over(g * 1) is None  # a new tensor is not marked
     assert reduced.reduced_over(torch.randn(4)) is None
     key = g.untyped_storage()._cdata
+    others = [torch.randn(1) for _ in range(3)]  # made while g lives: not at g's address
     del g
-    for _ in range(300):  # enough marks to prune the freed ones
-        reduced.mark_reduced([torch.randn(1)], ax, "test")
+    monkeypatch.setattr(reduced, "_prune_above", 0)  # the next mark prunes the freed ones
+    reduced.mark_reduced(others, ax, "test")
     assert key not in reduced._MARKS
 
 
