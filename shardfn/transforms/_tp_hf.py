@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from shardfn.mesh import Mesh
-from shardfn.spec import LeafLayout, P
+from shardfn.spec import FusedLayout, LeafLayout, P
 from shardfn.transforms._tp_styles import (
     Colwise,
     Replicate,
@@ -47,8 +47,6 @@ from shardfn.transforms._tp_styles import (
     Style,
     Vocab,
     features,
-    fused_full,
-    fused_local,
     is_conv1d,
 )
 
@@ -289,33 +287,28 @@ class FusedColumnsLayout(LeafLayout):
         """The mesh axes the leaf is split over."""
         return (self.axis,)
 
-    def _columns(self, mesh: Mesh) -> int:
+    def _rows(self, mesh: Mesh) -> FusedLayout:
+        """The same split as a ``FusedLayout`` of the transpose, after checking the shape."""
         n = mesh.size(self.axis)
         if len(self.shape) != 2 or self.shape[1] % (self.parts * n):
             raise ValueError(f"{self}: dim 1 must be divisible by parts x size of axis "
                              f"{self.axis!r} = {self.parts} x {n}")
-        return n
+        return FusedLayout(self.axis, self.parts, (self.shape[1], self.shape[0]))
 
     def local_shape(self, mesh: Mesh) -> tuple[int, ...]:
-        return (self.shape[0], self.shape[1] // self._columns(mesh))
+        rows, columns = self._rows(mesh).local_shape(mesh)
+        return (columns, rows)
 
     def shard_leaf(self, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-        n = self._columns(mesh)
-        return fused_local(x.t(), self.parts, n, mesh.index(self.axis)).t()
+        return self._rows(mesh).shard_leaf(x.t(), mesh).t()
 
     def gather_leaf(self, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-        from shardfn.primitives.collectives import all_gather
-
-        n = self._columns(mesh)
-        gathered = all_gather(x, self.axis, dim=1, mesh=mesh)  # rank-major columns
-        return fused_full(gathered.t(), self.parts, n).t()
+        return self._rows(mesh).gather_leaf(x.t(), mesh).t()
 
 
 def fused_layout(spec: P, axis: str, parts: int, shape: tuple[int, ...]) -> LeafLayout:
     """The layout of a leaf of a fused colwise module: ``FusedLayout`` (rows: ``nn.Linear``
     weight, any bias) or :class:`FusedColumnsLayout` (a ``Conv1D`` weight)."""
-    from shardfn.spec import FusedLayout
-
     if spec == P(None, axis):
         return FusedColumnsLayout(axis, parts, tuple(shape))
     return FusedLayout(axis, parts, tuple(shape))
