@@ -7,7 +7,7 @@ Example:
     P('dp', None)
 """
 
-from shardfn import checkpoint, distributed, memory, models, optim, pytree
+from shardfn import checkpoint, data, distributed, memory, models, optim, pytree
 from shardfn.functional import FunctionalModel, ShapeDtype, functional
 from shardfn.mesh import Mesh, get_mesh, set_mesh
 from shardfn.model import Model
@@ -94,6 +94,7 @@ __all__ = [
     "schedule_from_actions",
     "schedule_from_csv",
     "checkpoint",
+    "data",
     "Colwise",
     "PipelineModel",
     "StepReport",

@@ -217,6 +217,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("optimizers", ("shardfn.optim",)),
     ("transforms", ("shardfn.transforms",)),
     ("checkpoints", ("shardfn.checkpoint",)),
+    ("data", ("shardfn.data",)),
     ("public API and test worlds", ("shardfn", "shardfn.testing")),
 )
 
