@@ -42,6 +42,7 @@ import torch
 from shardfn import pytree
 from shardfn.mesh import Mesh, get_mesh
 from shardfn.primitives import _comm, consistency
+from shardfn.primitives.collectives import all_gather as _all_gather
 
 __all__ = ["FusedLayout", "Layout", "LeafLayout", "P", "gather", "layout_of", "local_shape",
            "shard", "spec_axes"]
@@ -145,15 +146,22 @@ class LeafLayout:
 
 @dataclasses.dataclass(frozen=True)
 class FusedLayout(LeafLayout):
-    """A fused colwise leaf (``[q|k|v]``): ``parts`` parts, each split on dim 0 over ``axis``.
+    """A fused colwise leaf: ``parts`` parts (``[q|k|v]``) on dim ``dim`` (0: ``Linear`` weight or
+    bias; 1: ``Conv1D`` weight), each split over ``axis``; rank ``r`` holds ``q[r] | k[r] | v[r]``.
 
-    Rank ``r`` holds block ``r`` of every part side by side (``q[r] | k[r] | v[r]``),
-    a strided split no ``P`` describes. Dim 0 must divide by ``parts * axis size``.
+    Example:
+        >>> FusedLayout("tp", 3, (32, 96), dim=1).local_shape(Mesh({"tp": 2}))
+        (32, 48)
     """
 
     axis: str
     parts: int
     shape: tuple[int, ...]
+    dim: int = 0
+
+    def __post_init__(self) -> None:
+        if type(self.dim) is not int or not 0 <= self.dim < len(self.shape):
+            raise ValueError(f"{self}: dim {self.dim!r} is not a dim of shape {self.shape}")
 
     @property
     def sharded_axes(self) -> tuple[str, ...]:
@@ -161,29 +169,26 @@ class FusedLayout(LeafLayout):
         return (self.axis,)
 
     def _blocks(self, mesh: Mesh) -> tuple[int, int]:
-        """``(axis size, rows of one part's block)``, after checking the split is even."""
-        n = mesh.size(self.axis)
-        if not self.shape or self.shape[0] % (self.parts * n):
-            raise ValueError(f"{self}: dim 0 must be divisible by parts x size of axis "
-                             f"{self.axis!r} = {self.parts} x {n}")
-        return n, self.shape[0] // (self.parts * n)
+        """``(axis size, one part's block on dim)``; refuses an uneven split naming the sizes."""
+        n, size = mesh.size(self.axis), self.shape[self.dim]
+        if type(self.parts) is not int or self.parts < 1 or size % (self.parts * n):
+            raise ValueError(f"{self}: dim {self.dim} ({size}) must be divisible by parts x size "
+                             f"of axis {self.axis!r} = {self.parts} x {n} = {self.parts * n}")
+        return n, size // (self.parts * n)
 
     def local_shape(self, mesh: Mesh) -> tuple[int, ...]:
-        n, rows = self._blocks(mesh)
-        return (self.parts * rows, *self.shape[1:])
+        block = self._blocks(mesh)[1]
+        return tuple(self.parts * block if d == self.dim else s for d, s in enumerate(self.shape))
 
     def shard_leaf(self, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-        n, rows = self._blocks(mesh)
-        split = x.reshape(self.parts, n, rows, *x.shape[1:])
-        return split[:, mesh.index(self.axis)].reshape(self.parts * rows, *x.shape[1:])
+        split = x.unflatten(self.dim, (self.parts, *self._blocks(mesh)))  # part-major
+        return split.select(self.dim + 1, mesh.index(self.axis)).flatten(self.dim, self.dim + 1)
 
     def gather_leaf(self, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-        from shardfn.primitives.collectives import all_gather
-
-        n, rows = self._blocks(mesh)
-        gathered = all_gather(x, self.axis, dim=0, mesh=mesh)  # rank-major: (n, parts, rows)
-        split = gathered.reshape(n, self.parts, rows, *x.shape[1:]).transpose(0, 1)
-        return split.reshape(self.shape)
+        n, block = self._blocks(mesh)
+        gathered = _all_gather(x, self.axis, dim=self.dim, mesh=mesh)  # rank-major
+        split = gathered.unflatten(self.dim, (n, self.parts, block))
+        return split.transpose(self.dim, self.dim + 1).reshape(self.shape)
 
 
 def _is_spec_leaf(x: Any) -> bool:

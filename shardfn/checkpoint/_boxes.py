@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["Box", "Chunk", "block_boxes", "box_chunks", "flat_range_rects", "fused_boxes",
-           "piece_chunks", "row_split_boxes"]
+           "fused_layout_boxes", "piece_chunks", "row_split_boxes"]
 
 
 class Box(NamedTuple):
@@ -94,15 +94,31 @@ def block_boxes(shape: Sequence[int], split: Sequence[tuple[int, int] | None]) -
     return [Box((0,) * len(shape), tuple(starts), tuple(sizes))]
 
 
-def fused_boxes(shape: Sequence[int], parts: int, ranks: int, index: int) -> list[Box]:
-    """The boxes of a fused leaf: ``parts`` equal parts of dim 0, each split over ``ranks``;
-    this rank holds block ``index`` of every part, one after another."""
-    part_rows = shape[0] // parts
-    block = part_rows // ranks
-    rest = tuple(shape[1:])
-    zeros = (0,) * len(rest)
-    return [Box((k * block, *zeros), (k * part_rows + index * block, *zeros), (block, *rest))
-            for k in range(parts)]
+def fused_boxes(shape: Sequence[int], parts: int, ranks: int, index: int,
+                dim: int = 0) -> list[Box]:
+    """The boxes of a fused leaf (``sf.FusedLayout``): ``parts`` equal parts of dim ``dim``,
+    each split over ``ranks``; this rank holds block ``index`` of every part, one after
+    another on that dim (dim 0: ``nn.Linear``'s ``[q|k|v]`` rows, dim 1: ``Conv1D``'s columns).
+
+    Example:
+        >>> fused_boxes((2, 12), 3, 2, 1, dim=1)[1]
+        Box(local_start=(0, 2), global_offset=(0, 6), sizes=(2, 2))
+    """
+    part_size = shape[dim] // parts
+    block = part_size // ranks
+
+    def on_dim(values: Sequence[int], value: int) -> tuple[int, ...]:
+        return tuple(value if d == dim else v for d, v in enumerate(values))
+
+    zeros = (0,) * len(shape)
+    return [Box(on_dim(zeros, k * block), on_dim(zeros, k * part_size + index * block),
+                on_dim(shape, block)) for k in range(parts)]
+
+
+def fused_layout_boxes(layout, mesh) -> list[Box]:
+    """:func:`fused_boxes` of this rank under an ``sf.FusedLayout`` on ``mesh``."""
+    return fused_boxes(layout.shape, layout.parts, mesh.size(layout.axis),
+                       mesh.index(layout.axis), layout.dim)
 
 
 def row_split_boxes(boxes: Sequence[Box], rows: int, ranks: int, index: int) -> list[Box]:

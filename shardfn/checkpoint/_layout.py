@@ -42,7 +42,7 @@ from shardfn.checkpoint._boxes import (
     Chunk,
     block_boxes,
     box_chunks,
-    fused_boxes,
+    fused_layout_boxes,
     piece_chunks,
     row_split_boxes,
 )
@@ -158,13 +158,15 @@ def _boxes_of(name: str, x: torch.Tensor, spec, mesh: Mesh | None) -> _Placed:
                          "a current mesh)")
     if isinstance(spec, FsdpTpLayout):  # a dp split (shard_params) of a tp shard
         return _fsdp_tp_boxes(name, x, spec, mesh)
-    if isinstance(spec, FusedLayout):
-        n, i = mesh.size(spec.axis), mesh.index(spec.axis)
-        want = (spec.shape[0] // n,) + tuple(spec.shape[1:])
+    if isinstance(spec, FusedLayout):  # parts of dim spec.dim (0: Linear, 1: Conv1D)
+        try:
+            want = spec.local_shape(mesh)
+        except ValueError as error:  # an uneven split: it names the sizes
+            raise ValueError(f"checkpoint: leaf {name!r}: {error}") from None
         if tuple(x.shape) != want:
             raise ValueError(f"checkpoint: leaf {name!r} has local shape {tuple(x.shape)}, its "
                              f"{spec} gives {want}")
-        return _Placed(tuple(spec.shape), tuple(fused_boxes(spec.shape, spec.parts, n, i)))
+        return _Placed(tuple(spec.shape), tuple(fused_layout_boxes(spec, mesh)))
     parts = tuple(spec.spec if isinstance(spec, Layout) else spec)
     if len(parts) > x.dim():
         raise ValueError(f"checkpoint: leaf {name!r}: spec {spec} has more entries than the "
@@ -197,10 +199,8 @@ def _fsdp_tp_boxes(name: str, x: torch.Tensor, spec: FsdpTpLayout, mesh: Mesh) -
     """Boxes of this rank's dp block of its tp shard: the tp shard's boxes (one, or one per
     fused part) cut to the dp block's rows; padding rows lie outside every box."""
     shape = tuple(spec.shape)
-    if isinstance(spec.tp, FusedLayout):
-        tp_n, tp_i = mesh.size(spec.tp.axis), mesh.index(spec.tp.axis)
-        tp_boxes = fused_boxes(shape, spec.tp.parts, tp_n, tp_i)
-        tp_shape = (shape[0] // tp_n, *shape[1:])
+    if isinstance(spec.tp, FusedLayout):  # dp splits dim 0 of the tp shard, whatever spec.tp.dim
+        tp_boxes, tp_shape = fused_layout_boxes(spec.tp, mesh), spec.tp.local_shape(mesh)
     else:
         tp_parts = tuple(spec.tp.spec)
         split = [None if p is None else (mesh.size(p), mesh.index(p)) for p in tp_parts]

@@ -81,9 +81,11 @@ class FsdpTpLayout(LeafLayout):
 
     Attributes:
         tp: the leaf's ``tensor_split`` layout (a :class:`~shardfn.Layout` of the full
-            shape, or a :class:`FusedLayout` for a fused qkv).
+            shape, or a :class:`FusedLayout` for a fused qkv, on dim 0 for ``nn.Linear``
+            or dim 1 for GPT-2's ``Conv1D``).
         dp: the ``shard_params`` layout of this rank's TP shard: ``P(dp)`` on dim 0 of
-            the TP-local shape (zero-padded), ``P()`` for 0-dim parameters and buffers.
+            the TP-local shape (zero-padded; whatever dim a ``FusedLayout`` fuses), ``P()``
+            for 0-dim parameters and buffers.
 
     A split of a split is no single ``P``: ``sf.gather``/``sf.shard`` call its
     ``gather_leaf``/``shard_leaf`` (as ``FsdpTpModel.gather`` / ``shard`` do).

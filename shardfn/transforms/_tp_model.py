@@ -53,7 +53,7 @@ class TensorSplitModel(FunctionalNames):
         mesh, axis: where the split layers live.
         styles: ``module path -> style`` for every matched module.
         module: the private skeleton ``apply`` runs (split modules wrapped).
-        specs: ``name -> Layout`` (or :class:`FusedLayout`) for every leaf.
+        specs: ``name -> Layout`` (or ``sf.FusedLayout``, dim 0 or 1) for every leaf.
         names: every leaf name, as ``fmodel.names``.
     """
 
@@ -78,7 +78,7 @@ class TensorSplitModel(FunctionalNames):
         """``name -> shape`` of this rank's shard of each leaf."""
         out = {}
         for name, layout in self.specs.items():
-            if isinstance(layout, LeafLayout):  # FusedLayout, FusedColumnsLayout
+            if isinstance(layout, LeafLayout):  # FusedLayout (dim 0: Linear, 1: Conv1D)
                 out[name] = tuple(layout.local_shape(self.mesh))
             else:
                 out[name] = local_shape(layout.shape, layout, self.mesh)
