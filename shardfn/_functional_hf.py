@@ -12,7 +12,12 @@ What shardfn follows of a ``PreTrainedModel``:
 * **no KV cache** by default: the functional model's copy of the config has
   ``use_cache=False`` (:func:`without_kv_cache`), so a forward returns no ``DynamicCache``
   that it filled in place (which a ``shard_params`` unit could not recompute); the
-  values are the same, and ``apply(..., use_cache=True)`` still asks for one.
+  values are the same, and ``apply(..., use_cache=True)`` still asks for one;
+* **no input-grad hooks**: the forward hooks of ``enable_input_require_grads()`` (which
+  ``gradient_checkpointing_enable()`` and PEFT add; they call ``requires_grad_`` on the
+  embeddings' output, which ``torch.func`` refuses) are removed from the skeleton
+  (:func:`without_input_grad_hooks`): a pure ``apply`` differentiates whatever it is
+  given, and layers' own checkpointing runs as ``sf.remat``.
 
 ``transformers`` is never imported here: a module can only be a ``PreTrainedModel`` if
 ``transformers`` is imported already, so shardfn imports and runs without it.
@@ -27,11 +32,14 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 
-__all__ = ["inside_pretrained", "no_split_classes", "pretrained_model_class", "run_init_weights",
-           "user_config", "without_kv_cache"]
+__all__ = ["inside_pretrained", "no_split_classes", "pretrained_model_class",
+           "refuse_recorded_outputs", "run_init_weights", "user_config",
+           "without_input_grad_hooks", "without_kv_cache"]
 
 
 def pretrained_model_class() -> type | None:
@@ -163,6 +171,82 @@ def without_kv_cache(skeleton: nn.Module) -> None:
         if config is not None and getattr(config, "use_cache", None):
             config.use_cache = False
             module._shardfn_user_use_cache = True  # for user_config (kept by deepcopy)
+
+
+def without_input_grad_hooks(skeleton: nn.Module) -> None:
+    """Remove Hugging Face's ``enable_input_require_grads`` hooks from ``skeleton``.
+
+    ``model.enable_input_require_grads()`` (called by ``gradient_checkpointing_enable()``
+    and by PEFT) registers a forward hook on each input embedding that calls
+    ``output.requires_grad_(True)``, so reentrant checkpointing sees a differentiable
+    input. Under ``torch.func.grad`` that call raises, and a ``deepcopy`` of a skeleton
+    whose embedding a transform replaced fails on the hook's dead handle. A pure ``apply``
+    needs neither: gradients reach the leaves it is given, and layers that checkpoint
+    themselves run as ``sf.remat``. Only the functional model's own copy is changed;
+    the user's model keeps its hooks.
+
+    Args:
+        skeleton: the meta-device copy ``sf.functional`` keeps.
+
+    Returns:
+        None.
+
+    Example:
+        >>> llama.enable_input_require_grads()
+        >>> sf.functional(llama).module._require_grads_hooks
+        []
+    """
+    for module in skeleton.modules():
+        state = vars(module)
+        handles = list(state.get("_require_grads_hooks") or ())
+        single = state.get("_require_grads_hook")
+        if not handles and single is None:
+            continue
+        for handle in handles + [single]:
+            if handle is not None:
+                handle.remove()
+        module._require_grads_hooks = []
+        state.pop("_require_grads_hook", None)
+
+
+#: the outputs a Hugging Face model records with forward hooks on its layers
+_RECORDED = ("output_hidden_states", "output_attentions")
+
+
+def refuse_recorded_outputs(module: nn.Module, kwargs: Mapping[str, Any], who: str) -> None:
+    """Refuse a call of a Hugging Face model that asks for ``output_hidden_states`` or
+    ``output_attentions`` (in ``kwargs`` or its config) where its layers do not run in place.
+
+    transformers 5 records those outputs with forward hooks on the layer classes
+    (``LlamaDecoderLayer``, ``LlamaAttention``); under ``shard_params`` a unit's layer runs
+    inside the unit's gathered call, so the hooks never see it and the output would come
+    back with an empty ``hidden_states`` tuple: a wrong value, refused instead.
+
+    Args:
+        module: the skeleton the call runs (a ``PreTrainedModel``, else nothing is checked).
+        kwargs: the call's keyword arguments.
+        who: the transform, for the message.
+
+    Raises:
+        ValueError: naming the flags and what computes them.
+
+    Example:
+        >>> refuse_recorded_outputs(fm.module, {"output_hidden_states": True}, "shard_params")
+        Traceback (most recent call last):
+        ValueError: shard_params: output_hidden_states=True ...
+    """
+    pretrained = pretrained_model_class()
+    config = getattr(module, "config", None)
+    if pretrained is None or config is None or not isinstance(module, pretrained):
+        return
+    asked = [f"{k}={kwargs.get(k, getattr(config, k, False))!r}" for k in _RECORDED
+             if kwargs.get(k, getattr(config, k, False))]
+    if asked:
+        raise ValueError(
+            f"{who}: {', '.join(asked)} (a keyword or {type(config).__name__}): Hugging Face "
+            f"records these with forward hooks on {type(module).__name__}'s layers, which "
+            f"run inside {who}'s units here, so they would come back empty. Compute them with "
+            "sf.functional, sf.remat or sf.tensor_split of the model, or pass False")
 
 
 def user_config(module: nn.Module):

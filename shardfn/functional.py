@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardfn._functional_hf import without_kv_cache
+from shardfn._functional_hf import without_input_grad_hooks, without_kv_cache
 from shardfn._functional_init import InitFn, InitPlan, derive_seed, init_subset, plan_init
 from shardfn._functional_layout import LeafTree, ShapeDtype
 from shardfn._functional_leaves import check_params, describe_unknown, vmap_buffer_error
@@ -356,7 +356,8 @@ def functional(
     The module is not modified and may live on the meta device (a model built
     under ``with torch.device("meta")``); only a meta-device skeleton is kept. A Hugging
     Face model initialises as its ``_init_weights`` does and computes without a KV cache
-    unless ``apply(..., use_cache=True)`` (:mod:`shardfn._functional_hf`).
+    unless ``apply(..., use_cache=True)``, and without the input-grad hooks of
+    ``enable_input_require_grads()`` (:mod:`shardfn._functional_hf`).
 
     Args:
         module: any ``nn.Module`` (lazy modules must be materialised first).
@@ -390,6 +391,7 @@ def functional(
         raise TypeError(f"functional() expects a torch.nn.Module, got {type(module).__name__}")
     skeleton, init_plan = plan_init(module, init_fns or {})
     without_kv_cache(skeleton)  # a Hugging Face model: no KV cache filled in place
+    without_input_grad_hooks(skeleton)  # nor requires_grad_ hooks torch.func refuses
     leaves = init_plan.leaves
     param_names = tuple(n for n, leaf in leaves.items() if not leaf.is_buffer)
     return FunctionalModel(

@@ -3,10 +3,11 @@
 A ``transformers`` model names how it splits: ``config.base_model_tp_plan`` (relative to
 the base model: ``"layers.*.self_attn.q_proj": "colwise"``) and the task class's
 ``_tp_plan`` (``{"lm_head": "colwise_gather_output"}``), merged by ``model.tp_plan``
-(transformers >= 5, which also adds ``"embed_tokens": "embedding_rowwise"``).
-:func:`hf_tp_plan` reads that plan and maps each HF style to the shardfn style that
-computes exactly the same thing (:data:`HF_STYLES`); a style with no exact equivalent
-is refused, naming it and the module.
+(transformers >= 5, which also adds ``"embed_tokens": "embedding_rowwise"``). GPT-2 and
+BERT ship none in transformers 5: shardfn writes theirs (:data:`KNOWN_PLANS`, Megatron's
+split of their blocks, in HF's style names). :func:`hf_tp_plan` reads that plan and
+maps each HF style to the shardfn style that computes exactly the same thing
+(:data:`HF_STYLES`); a style with no exact equivalent is refused, naming it and the module.
 
 Attention heads come from the model (:func:`split_heads`): a colwise ``q_proj`` /
 ``k_proj`` / ``v_proj`` (or GPT-2's fused ``c_attn``) under an attention module with a
@@ -18,7 +19,7 @@ numbers. The private skeleton's attention modules get their local head counts
 
 ``Conv1D`` (GPT-2): weight ``(in, out)``; colwise splits its columns, rowwise its rows
 (:mod:`._tp_styles`); a fused ``c_attn`` (``[q|k|v]`` columns) is a
-:class:`FusedColumnsLayout`.
+``FusedLayout(..., dim=1)``.
 
 ``transformers`` is never imported here (a model is only a ``PreTrainedModel`` if it is
 imported already).
@@ -33,13 +34,12 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import warnings
 from collections.abc import Mapping
 
-import torch
 from torch import nn
 
-from shardfn.mesh import Mesh
-from shardfn.spec import FusedLayout, LeafLayout, P
+from shardfn.spec import FusedLayout, P
 from shardfn.transforms._tp_styles import (
     Colwise,
     Replicate,
@@ -91,13 +91,48 @@ def _refuse_style(name: object, path: str) -> ValueError:
                       "Pass a plan dict {glob: style} instead (docs/tensor_parallel.md)")
 
 
+#: plans for models whose ``transformers`` release ships none (``config.model_type`` ->
+#: the base model's plan, in HF's style names, as transformers 5 writes them: its input
+#: embedding ``embedding_rowwise`` and the LM head ``colwise_gather_output``, as
+#: ``model.tp_plan`` adds them for Llama). BERT's embedding stays whole: its MLM decoder
+#: is tied to it and its decoder bias to a module that does not compute with it.
+KNOWN_PLANS: dict[str, dict[str, str]] = {
+    "gpt2": {"wte": "embedding_rowwise", "h.*.attn.c_attn": "colwise",
+             "h.*.attn.c_proj": "rowwise", "h.*.mlp.c_fc": "colwise",
+             "h.*.mlp.c_proj": "rowwise"},
+    "bert": {"encoder.layer.*.attention.self.query": "colwise",
+             "encoder.layer.*.attention.self.key": "colwise",
+             "encoder.layer.*.attention.self.value": "colwise",
+             "encoder.layer.*.attention.output.dense": "rowwise",
+             "encoder.layer.*.intermediate.dense": "colwise",
+             "encoder.layer.*.output.dense": "rowwise"},
+}
+#: the task heads of those models (relative to the task model)
+_KNOWN_HEADS: dict[str, dict[str, str]] = {"gpt2": {"lm_head": "colwise_gather_output"}}
+
+
+def _known_plan(model: nn.Module) -> dict[str, str]:
+    """:data:`KNOWN_PLANS`' plan of ``model`` (a task or base model), relative to it."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in KNOWN_PLANS:
+        return {}
+    base = getattr(model, "base_model", model)
+    prefix = next((f"{path}." if path else "" for path, sub in model.named_modules()
+                   if sub is base), "")
+    plan = {prefix + k: v for k, v in KNOWN_PLANS[model_type].items()}
+    if base is not model:
+        plan.update(_KNOWN_HEADS.get(model_type, {}))
+    return plan
+
+
 def _find_config(module: nn.Module) -> object | None:
     return next((getattr(m, "config", None) for _, m in module.named_modules()
                  if getattr(m, "config", None) is not None), None)
 
 
 def _model_plan(model: nn.Module) -> dict[str, str]:
-    """One HF model's merged plan, relative to it (``model.tp_plan``, else class + config)."""
+    """One HF model's merged plan, relative to it (``model.tp_plan``, else class + config,
+    else shardfn's :data:`KNOWN_PLANS`)."""
     plan = getattr(model, "tp_plan", None)
     if isinstance(plan, Mapping) and plan:
         return dict(plan)
@@ -109,7 +144,7 @@ def _model_plan(model: nn.Module) -> dict[str, str]:
         base_plan = getattr(getattr(sub, "config", None), "base_model_tp_plan", None)
         if getattr(sub, "base_model", None) is sub and isinstance(base_plan, Mapping):
             out.update({prefix + k: v for k, v in base_plan.items()})
-    return out
+    return out or _known_plan(model)
 
 
 def read_hf_plan(module: nn.Module) -> dict[str, str]:
@@ -141,9 +176,10 @@ def read_hf_plan(module: nn.Module) -> dict[str, str]:
                          "transformers PreTrainedModel; pass a plan dict {glob: style}")
     raise ValueError(f"tensor_split(plan='auto'): {type(config).__name__} has no "
                      f"base_model_tp_plan (and {type(module).__name__} no _tp_plan): this model "
-                     "has no tensor-parallel plan in this transformers version; pass a plan "
-                     "dict, e.g. {'h.*.attn.c_attn': 'colwise', 'h.*.attn.c_proj': 'rowwise', "
-                     "...} (docs/tensor_parallel.md)")
+                     "has no tensor-parallel plan in this transformers version, nor does "
+                     f"shardfn know one (it does for {sorted(KNOWN_PLANS)}); pass a plan "
+                     "dict, e.g. {'layers.*.attn.q_proj': 'colwise', 'layers.*.attn.o_proj': "
+                     "'rowwise', ...} (docs/tensor_parallel.md)")
 
 
 def hf_tp_plan(model: nn.Module) -> dict[str, Style]:
@@ -235,7 +271,10 @@ def split_heads(styles: dict[str, Style], skeleton: nn.Module, tp: int, axis: st
             by_parent.setdefault(path.rpartition(".")[0], []).append(path)
     for parent_path, children in by_parent.items():
         attention = skeleton.get_submodule(parent_path)
-        head_dim, config = getattr(attention, "head_dim", None), getattr(attention, "config", None)
+        head_dim = getattr(attention, "head_dim", None)
+        if head_dim is None:  # BERT-style attention
+            head_dim = getattr(attention, "attention_head_size", None)
+        config = getattr(attention, "config", None)
         if not isinstance(head_dim, int) or head_dim <= 0 or \
                 not isinstance(getattr(config, "num_attention_heads", None), int):
             continue
@@ -268,47 +307,32 @@ def split_heads(styles: dict[str, Style], skeleton: nn.Module, tp: int, axis: st
 
 
 @dataclasses.dataclass(frozen=True)
-class FusedColumnsLayout(LeafLayout):
-    """A fused colwise ``Conv1D`` weight (GPT-2's ``c_attn``, ``(in, [q|k|v])``): ``parts``
-    parts side by side on dim 1, each split over ``axis``; rank ``r`` holds the columns
-    ``q[r] | k[r] | v[r]`` (``sf.FusedLayout`` on the transpose).
+class FusedColumnsLayout(FusedLayout):
+    """Deprecated: ``sf.FusedLayout(axis, parts, shape, dim=1)``, the same layout (a fused
+    colwise ``Conv1D`` weight, GPT-2's ``c_attn``: rank ``r`` holds the columns
+    ``q[r] | k[r] | v[r]``). ``tensor_split`` makes ``FusedLayout(..., dim=1)`` itself;
+    this subclass only keeps old code that builds one working (with a DeprecationWarning).
 
     Example:
-        >>> FusedColumnsLayout("tp", 3, (32, 96)).local_shape(sf.Mesh({"tp": 2}))
+        >>> sf.FusedLayout("tp", 3, (32, 96), dim=1).local_shape(sf.Mesh({"tp": 2}))
         (32, 48)
     """
 
-    axis: str
-    parts: int
-    shape: tuple[int, ...]
+    dim: int = 1
 
-    @property
-    def sharded_axes(self) -> tuple[str, ...]:
-        """The mesh axes the leaf is split over."""
-        return (self.axis,)
-
-    def _rows(self, mesh: Mesh) -> FusedLayout:
-        """The same split as a ``FusedLayout`` of the transpose, after checking the shape."""
-        n = mesh.size(self.axis)
-        if len(self.shape) != 2 or self.shape[1] % (self.parts * n):
-            raise ValueError(f"{self}: dim 1 must be divisible by parts x size of axis "
-                             f"{self.axis!r} = {self.parts} x {n}")
-        return FusedLayout(self.axis, self.parts, (self.shape[1], self.shape[0]))
-
-    def local_shape(self, mesh: Mesh) -> tuple[int, ...]:
-        rows, columns = self._rows(mesh).local_shape(mesh)
-        return (columns, rows)
-
-    def shard_leaf(self, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-        return self._rows(mesh).shard_leaf(x.t(), mesh).t()
-
-    def gather_leaf(self, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-        return self._rows(mesh).gather_leaf(x.t(), mesh).t()
+    def __post_init__(self) -> None:
+        warnings.warn("sf.FusedColumnsLayout is deprecated: use sf.FusedLayout(axis, parts, "
+                      "shape, dim=1)", DeprecationWarning, stacklevel=3)
+        super().__post_init__()
 
 
-def fused_layout(spec: P, axis: str, parts: int, shape: tuple[int, ...]) -> LeafLayout:
-    """The layout of a leaf of a fused colwise module: ``FusedLayout`` (rows: ``nn.Linear``
-    weight, any bias) or :class:`FusedColumnsLayout` (a ``Conv1D`` weight)."""
-    if spec == P(None, axis):
-        return FusedColumnsLayout(axis, parts, tuple(shape))
-    return FusedLayout(axis, parts, tuple(shape))
+def fused_layout(spec: P, axis: str, parts: int, shape: tuple[int, ...]) -> FusedLayout:
+    """The layout of a leaf of a fused colwise module: ``FusedLayout`` on dim 1 for a
+    ``Conv1D`` weight (split on its columns, ``spec == P(None, axis)``), on dim 0 for an
+    ``nn.Linear`` weight and any bias.
+
+    Example:
+        >>> fused_layout(P(None, "tp"), "tp", 3, (32, 96))
+        FusedLayout(axis='tp', parts=3, shape=(32, 96), dim=1)
+    """
+    return FusedLayout(axis, parts, tuple(shape), dim=1 if spec == P(None, axis) else 0)

@@ -1,7 +1,7 @@
 """Reading a ``tensor_split`` plan: which module gets which style, and the plan's checks.
 
 * :func:`match_plan`: globs over module paths -> styles (every pattern must match,
-  no module twice);
+  no module twice, except where Hugging Face's reading of ``*`` decides: see below);
 * :func:`detect_fused`: a plain ``"colwise"`` on a module named ``qkv`` is a fused
   ``[q|k|v]`` projection;
 * :func:`check_tied` / :func:`check_sequence_parallel`: refuse plans that would give a
@@ -39,11 +39,22 @@ def match_plan(plan: Mapping[str, object], paths: list[str]) -> dict[str, Style]
     """``{module path: style}`` for every module a pattern matches.
 
     The pattern ``""`` is the root module (as torch's ``parallelize_module``); a glob
-    (``"*"``) matches submodules only.
+    (``"*"``) matches submodules only. A ``*`` may span dots (``fnmatch``), so a Hugging
+    Face style plan can match one module twice: ``"layer.*.output.dense"`` also matches
+    ``"layer.0.attention.output.dense"``. Where exactly one of the two patterns matches
+    with each ``*`` inside one path component (Hugging Face's reading: ``*`` is a layer
+    index), that pattern wins; otherwise the module is refused.
 
     Raises:
         ValueError: a pattern that matches no module (the paths listed), a module
-            matched by two patterns (both named), a value that is not a style.
+            matched by two patterns that the rule above does not separate (both named),
+            a value that is not a style.
+
+    Example:
+        >>> match_plan({"layer.*.output.dense": "rowwise",
+        ...             "layer.*.attention.output.dense": "rowwise"},
+        ...            ["layer.0.output.dense", "layer.0.attention.output.dense"]).keys()
+        dict_keys(['layer.0.output.dense', 'layer.0.attention.output.dense'])
     """
     styles: dict[str, Style] = {}
     owner: dict[str, str] = {}
@@ -57,10 +68,31 @@ def match_plan(plan: Mapping[str, object], paths: list[str]) -> dict[str, Style]
                              "root module)")
         for path in matched:
             if path in owner:
-                raise ValueError(f"tensor_split: module {path!r} is matched by both "
-                                 f"{owner[path]!r} and {pattern!r}")
+                winner = _by_component(path, owner[path], pattern)
+                if winner is None:
+                    raise ValueError(f"tensor_split: module {path!r} is matched by both "
+                                     f"{owner[path]!r} and {pattern!r}")
+                if winner == owner[path]:
+                    continue
             owner[path], styles[path] = pattern, style
     return styles
+
+
+def _within_components(path: str, pattern: str) -> bool:
+    """Whether ``pattern`` matches ``path`` with every ``*`` / ``?`` inside one component."""
+    path_parts, pattern_parts = path.split("."), pattern.split(".")
+    return len(path_parts) == len(pattern_parts) and all(
+        fnmatch.fnmatchcase(part, glob) for part, glob in zip(path_parts, pattern_parts,
+                                                               strict=True))
+
+
+def _by_component(path: str, first: str, second: str) -> str | None:
+    """The one of two patterns matching ``path`` that matches it component by component
+    (None: both or neither, an ambiguity to refuse)."""
+    first_fits, second_fits = _within_components(path, first), _within_components(path, second)
+    if first_fits == second_fits:
+        return None
+    return first if first_fits else second
 
 
 def detect_fused(style: Style, path: str, skeleton: nn.Module) -> Style:

@@ -138,10 +138,15 @@ def test_auto_plan_maps_hf_styles_and_refuses_what_it_cannot():
     split_heads(styles, skeleton, 2, "tp")  # 2 ranks: whole heads, from the model's counts
     assert styles["model.layers.0.self_attn.q_proj"].n_heads == 4
     assert styles["model.layers.0.self_attn.k_proj"].n_heads == 2
-    # GPT-2 has no plan in this transformers version: refused naming its config class
+    # GPT-2 has no plan in this transformers version: shardfn's own (KNOWN_PLANS); a model
+    # with neither (OPT) is refused naming its config class
     gpt2 = hf_model("gpt2")
-    with pytest.raises(ValueError, match="GPT2Config has no base_model_tp_plan"):
-        tensor_split(sf.functional(gpt2), None, "tp", "auto")
+    assert hf_tp_plan(gpt2)["transformer.h.*.attn.c_attn"] == Colwise()
+    opt = transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, ffn_dim=64,
+        num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=32))
+    with pytest.raises(ValueError, match="OPTConfig has no base_model_tp_plan"):
+        tensor_split(sf.functional(opt), None, "tp", "auto")
     # its fused c_attn (Conv1D) splits per q/k/v block, and the attention's split_size
     # (read by its forward) becomes this rank's
     styles = {"transformer.h.0.attn.c_attn": Colwise()}
