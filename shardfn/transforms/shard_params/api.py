@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from shardfn import pytree
+from shardfn._functional_hf import refuse_recorded_outputs
 from shardfn._functional_layout import FunctionalNames
 from shardfn._functional_leaves import refuse_differentiated_state
 from shardfn.functional import FunctionalModel
@@ -38,7 +39,7 @@ from shardfn.transforms.shard_params.choose import UnitPolicy, resolve_units
 from shardfn.transforms.shard_params.compose import take_model, take_remat
 from shardfn.transforms.shard_params.functions import RootFn
 from shardfn.transforms.shard_params.placement import OffloadPolicy, Placement
-from shardfn.transforms.shard_params.plan import GradReduce, Plan, Unit, make_plan
+from shardfn.transforms.shard_params.plan import GradReduce, Plan, Reshard, Unit, make_plan
 from shardfn.transforms.shard_params.prefetch import PrefetchGuess
 from shardfn.transforms.shard_params.tree import TreeSpec
 from shardfn.transforms.tensor_split import TensorSplitModel
@@ -75,7 +76,7 @@ class ShardedModel(FunctionalNames):
     units: tuple[str, ...]
     specs: dict[str, Layout]
     names: tuple[str, ...]
-    reshard_after_forward: bool
+    reshard_after_forward: Reshard
     prefetch: int
     grad_reduce: GradReduce
     precision: Precision | None
@@ -198,6 +199,7 @@ class ShardedModel(FunctionalNames):
         refuse_differentiated_state(shards, self.functional.buffer_names,
                                     self.functional.frozen_names, "shard_params.apply")
         consistency.check_call("shard_params.apply", self._plan.all_ax, (args, kwargs))
+        refuse_recorded_outputs(self.functional.module, kwargs, "shard_params")
         plan = leaves.plan_for(self._plan, self._variants, shards)
         place, precision = plan.place, self.precision
         if place.offload:  # inputs go where the units compute (differentiably)
@@ -209,8 +211,9 @@ class ShardedModel(FunctionalNames):
         arg_spec, arg_tensors = TreeSpec.of((args, kwargs))
         grad = torch.is_grad_enabled()
         call = ApplyCall(plan, self._guess, arg_spec, arg_tensors,
-                         keep=grad and not self.reshard_after_forward, record=grad,
-                         mutable=bool(mutable))
+                         keep=grad and self.reshard_after_forward is False, record=grad,
+                         mutable=bool(mutable), keep_root=grad and self.reshard_after_forward
+                         is not True)
         outputs = RootFn.apply(call, *[shards[name] for name in self.names], *arg_tensors)
         out = call.out_spec.build(outputs[:call.n_outputs])
         if precision is not None:
@@ -336,7 +339,7 @@ def shard_params(
     axis: AxisName = "dp",
     *,
     units: UnitPolicy = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: Reshard = True,
     prefetch: int = 1,
     replicate_axis: AxisName | None = None,
     grad_reduce: GradReduce = "mean",
@@ -358,7 +361,9 @@ def shard_params(
             parameter elements); a list of module paths; or None (the whole model is
             one unit). Units never nest: the outermost match wins.
         reshard_after_forward: free each unit's full parameters after its forward
-            (True, ZeRO-3) or keep them for backward (False: no second all-gather).
+            (True, ZeRO-3) or keep them for backward (False: no second all-gather);
+            ``"units"``: free the units', keep the root's (FSDP2's root, gathered again
+            at once for backward otherwise).
         prefetch: how many units ahead to all-gather while a unit computes (0: none).
         replicate_axis: HSDP: a second axis over which the shards are replicated and
             the gradients are also reduced.
@@ -392,9 +397,10 @@ def shard_params(
         >>> out = model.apply(shards, x)
 
     Communication per step: ``3 Psi (N-1)/N`` bytes per rank (``2 Psi (N-1)/N`` without
-    resharding), in one all-gather / reduce-scatter per unit. Memory: shards plus
-    ``prefetch + 1`` units' full parameters, in backward two units' full gradients
-    (one being reduced), and the activations ``remat`` keeps.
+    resharding; ``"units"``: the root's parameters once less), in one all-gather /
+    reduce-scatter per unit. Memory: shards plus ``prefetch + 1`` units' full parameters
+    (``"units"``: and the root's), in backward two units' full gradients (one being
+    reduced), and the activations ``remat`` keeps.
     """
     if isinstance(model, nn.Module):
         raise TypeError("shard_params takes a functional model: shard_params(sf.functional("
@@ -429,7 +435,7 @@ def shard_params(
     return ShardedModel(
         functional=model, mesh=mesh, axis=axis, replicate_axis=replicate_axis,
         units=plan.unit_paths, specs=dict(plan.specs), names=model.names,
-        reshard_after_forward=bool(reshard_after_forward), prefetch=prefetch,
+        reshard_after_forward=plan.reshard_after_forward, prefetch=prefetch,
         grad_reduce=grad_reduce, precision=precision,
         offload=OffloadPolicy(place.storage, place.compute, place.pin) if place.offload else None,
         remat=remat, _plan=plan, _guess=PrefetchGuess(len(plan.units)), _variants={})

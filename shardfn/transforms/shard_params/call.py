@@ -53,6 +53,7 @@ class ApplyCall:
         guess: the model's guess of the unit order (updated after this forward).
         arg_spec, arg_tensors: the call's arguments, taken apart.
         keep: keep the full parameters for backward (``reshard_after_forward=False``).
+        keep_root: keep the root's (``reshard_after_forward="units"``).
         record: a backward may follow (grad mode): save what it needs.
         mutable: also return the buffers as the forward left them.
 
@@ -69,14 +70,15 @@ class ApplyCall:
 
     def __init__(self, plan: Plan, guess: PrefetchGuess, arg_spec: TreeSpec,
                  arg_tensors: Sequence[torch.Tensor], keep: bool, record: bool,
-                 mutable: bool = False):
+                 mutable: bool = False, keep_root: bool = False):
         self.config = CallConfig(
             plan, guess, arg_spec,
             tuple(is_float(t) and (t.requires_grad or is_functorch_wrapped(t))
                   for t in arg_tensors),
             keep, record, mutable, Accumulator.current(plan.token),
             # a recompute in backward runs under the forward's autocast state
-            autocast_state.capture() if record and not plan.save else None)
+            autocast_state.capture() if record and not plan.save else None,
+            keep or keep_root)
         self.inputs = CallInputs({}, {})
         self.forward_state: ForwardState | None = None
         self.forward: ForwardRecord | None = None

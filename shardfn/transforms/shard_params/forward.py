@@ -86,7 +86,7 @@ def forward_root(call: ApplyCall, tensors: Sequence[torch.Tensor],
     pending = gather(call, root)
     call.prefetcher.ahead(Phase.FORWARD, -1)
     full = pending.wait()
-    if config.keep:
+    if config.keep_root:  # reshard_after_forward False or "units": backward reuses them
         progress.kept[-1] = full
     run = progress.run = RootRun(unit_fn, {**full, **{n: call.inputs.local[n]
                                                       for n in root.replicated}})
@@ -109,7 +109,7 @@ def forward_root(call: ApplyCall, tensors: Sequence[torch.Tensor],
         progress.run = None
     if config.record:
         check_arguments_kept("the model's forward (the root)", before, (args, kwargs))
-    if graph and not config.keep:  # the root's vjp holds its parameters: free the storage
+    if graph and not config.keep_root:  # the root's vjp holds its parameters: free them
         pending.release()
         root_gather = pending
     if run.mode is not None:

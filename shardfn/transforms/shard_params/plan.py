@@ -34,11 +34,14 @@ from shardfn.transforms.remat import Policy
 from shardfn.transforms.shard_params.choose import UnitPolicy, resolve_units, suggest
 from shardfn.transforms.shard_params.placement import Placement
 
-__all__ = ["RUNNING", "Flat", "GradReduce", "Plan", "Running", "Unit", "UnitCall",
-           "build_units", "init_groups", "make_plan"]
+__all__ = ["RESHARD", "RUNNING", "Flat", "GradReduce", "Plan", "Reshard", "Running", "Unit",
+           "UnitCall", "build_units", "init_groups", "make_plan"]
 
 #: ``grad_reduce=``: divide the reduced gradients by the data-parallel ranks, or not
 GradReduce = Literal["mean", "sum"]
+#: ``reshard_after_forward``: True (ZeRO-3), False (keep all), "units" (keep the root only)
+Reshard = bool | Literal["units"]
+RESHARD = (True, False, "units")
 
 
 class Running(NamedTuple):
@@ -253,7 +256,8 @@ class Plan:
         init_groups: module paths initialised together (one unit at a time).
         grad_reduce: ``"mean"`` or ``"sum"``.
         prefetch: how many unit calls ahead to gather.
-        reshard_after_forward: free each unit's full parameters after its forward.
+        reshard_after_forward: free each unit's full parameters after its forward
+            (``"units"``: not the root's).
         save: keep activations (``remat=None``): backward runs the vjp recorded in forward.
         policy: what a unit's remat recorder saves (None: record nothing).
     """
@@ -279,7 +283,7 @@ class Plan:
     init_groups: tuple[tuple[str, ...], ...]
     grad_reduce: GradReduce
     prefetch: int
-    reshard_after_forward: bool
+    reshard_after_forward: Reshard
     save: bool
     policy: Policy | None
 
@@ -328,14 +332,17 @@ class Plan:
 
 def make_plan(model: FunctionalModel, mesh: Mesh, axis: AxisName, *, units: UnitPolicy,
               replicate_axis: AxisName | None, place: Placement, grad_reduce: GradReduce,
-              prefetch: int, reshard_after_forward: bool, save: bool,
+              prefetch: int, reshard_after_forward: Reshard, save: bool,
               policy: Policy | None) -> Plan:
     """Choose the units and plan them (arguments as for ``shard_params``, validated there).
 
     Raises:
-        ValueError: an unknown axis, a replica axis overlapping ``axis``, or a unit policy
-            that matches no submodule.
+        ValueError: an unknown axis, a replica axis overlapping ``axis``, a unit policy
+            that matches no submodule, or a ``reshard_after_forward`` not in ``RESHARD``.
     """
+    if reshard_after_forward not in RESHARD or not isinstance(reshard_after_forward, (bool, str)):
+        raise ValueError(f"reshard_after_forward must be one of {RESHARD}, got "
+                         f"{reshard_after_forward!r}")
     ax = _comm.resolve(axis, mesh)
     replicate_ax, all_names = None, ax.names
     if replicate_axis is not None:
@@ -364,4 +371,4 @@ def make_plan(model: FunctionalModel, mesh: Mesh, axis: AxisName, *, units: Unit
         unit_trainable=tuple(n for u in unit_plans for n in u.grad_inputs
                              if n not in u.external),
         init_groups=init_groups(model, paths), grad_reduce=grad_reduce, prefetch=prefetch,
-        reshard_after_forward=bool(reshard_after_forward), save=save, policy=policy)
+        reshard_after_forward=reshard_after_forward, save=save, policy=policy)

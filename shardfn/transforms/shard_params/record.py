@@ -64,6 +64,8 @@ class CallConfig(NamedTuple):
             gradients to it instead of reducing), or None.
         autocast: the forward's autocast state, for a recompute in backward (None when
             nothing is recomputed).
+        keep_root: keep the root's full parameters for backward
+            (``reshard_after_forward="units"``, or ``keep``).
     """
 
     plan: Plan
@@ -75,6 +77,7 @@ class CallConfig(NamedTuple):
     mutable: bool
     accumulator: Accumulator | None
     autocast: AutocastState | None
+    keep_root: bool = False
 
     def replay_autocast(self) -> contextlib.AbstractContextManager:
         """The forward's autocast state, for a recompute (as ``torch.utils.checkpoint``)."""
