@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from shardfn.transforms.pipeline.batch import call_unit
 from shardfn.transforms.pipeline.schedules import Schedule
 from shardfn.transforms.pipeline.stage import Stage, StagePlan
 from shardfn.transforms.pipeline.step_plan import StepPlan
@@ -54,10 +55,11 @@ def step_plan(stage_plan: StagePlan, models: Mapping[int, Any], schedule: Schedu
 
 
 def _model_forward(model: Any, mutable: bool = False):
-    if mutable:
-        return lambda leaves, x: model.apply({n: leaves[n] for n in model.names}, x,
-                                             mutable=True)
-    return lambda leaves, x: model.apply({n: leaves[n] for n in model.names}, x)
+    """A stage model's forward over this rank's leaves; stage 0's several inputs (a
+    :class:`~.batch.UnitInputs`) spread into its ``apply``."""
+    options = {"mutable": True} if mutable else {}
+    return lambda leaves, x: call_unit(model.apply, {n: leaves[n] for n in model.names}, x,
+                                       **options)
 
 
 def _stage_forward(stage_plan: StagePlan, stage: Stage, policy: Callable | None):

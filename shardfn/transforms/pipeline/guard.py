@@ -1,5 +1,8 @@
 """Guards of a pipeline call: one call per model at a time, the same batch on every pp rank.
 
+(Also what every call checks first: not under a torch.func transform, and the leaves
+given are this rank's: :func:`refuse_transforms`, :func:`check_leaves`.)
+
 A pipelined step is a conversation between pp ranks: message ``k`` of one rank's
 call meets message ``k`` of its peers' calls. Two things silently pair the wrong
 messages, so both are refused before anything is sent:
@@ -15,13 +18,15 @@ messages, so both are refused before anything is sent:
 * **Different batches on different pp ranks** (:func:`agree_on_batch`). Stage 0
   reads the inputs, the last stage the targets and both scale each micro-batch's
   loss by the rows: 8 rows on one rank and 6 on another gave one wrong loss. At
-  every step's start the pp ranks all-gather three ints (rows of the inputs, rows
-  of the targets, micro-batches) and every rank raises the same error, naming
-  each rank's sizes. Cost: one 24-byte all-gather over the pp group per step
-  (median 0.4 ms on gloo, 2 CPU ranks, on a 2-core machine at load 19; the pipeline
-  benchmark's step takes some hundreds of ms). In check mode
-  (``sf.check_consistency``) the ranks also compare the inputs and targets
-  themselves (dtypes, shapes and a hash of their bytes, through check mode's store).
+  every step's start the pp ranks all-gather five ints (rows of the inputs, rows
+  of the targets, micro-batches, and a digest of each side's structure, per-leaf
+  rows and plain values: :mod:`.batch`) and every rank raises the same error,
+  naming each rank's sizes. Cost: one 40-byte all-gather over the pp group per step
+  (median 0.4 ms on gloo for the earlier 24-byte form, 2 CPU ranks, on a 2-core
+  machine at load 19; the pipeline benchmark's step takes some hundreds of ms). In
+  check mode (``sf.check_consistency``) the ranks also compare the inputs and targets
+  themselves, every leaf of them (dtypes, shapes and a hash of their bytes, through
+  check mode's store).
 
 A third guard stops the others early when one stage fails (:class:`FailureFlag`):
 the failing rank also posts its error in the process group's key-value store, and a
@@ -44,20 +49,20 @@ import contextlib
 import functools
 import itertools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shardfn._torch_internals import c10d_functional, default_store
+from shardfn._torch_internals import c10d_functional, default_store, get_interpreter_stack
 from shardfn.primitives import consistency
 from shardfn.primitives._comm import Axis
 from shardfn.transforms.pipeline._p2p import Messenger, PeerFailed
-from shardfn.transforms.pipeline.values import describe
+from shardfn.transforms.pipeline.batch import batch_digest, batch_rows
 
-__all__ = ["CallGuard", "ConcurrentCallError", "FailureFlag", "agree_on_batch", "check_batch",
-           "exclusive", "settle_and_raise"]
+__all__ = ["CallGuard", "ConcurrentCallError", "FailureFlag", "agree_on_batch", "check_leaves",
+           "exclusive", "refuse_transforms", "settle_and_raise"]
 
 _CALLS: dict[tuple, itertools.count] = {}  # per pp group: its steps so far (same on every rank)
 
@@ -156,11 +161,43 @@ def exclusive(method: Callable) -> Callable:
     return run
 
 
-def _rows(value: Any) -> int:
-    """Rows on dim 0, -1 for what has none (not a tensor, or a 0-d one), -2 for None."""
-    if value is None:
-        return -2
-    return int(value.shape[0]) if isinstance(value, torch.Tensor) and value.dim() else -1
+def refuse_transforms(what: str) -> None:
+    """Raise when called under a torch.func transform (a whole pipelined call cannot run
+    there: it has its own autograd and messages between ranks)."""
+    if get_interpreter_stack():
+        raise RuntimeError(f"pipeline {what} runs a whole pipelined step with its own autograd "
+                           "and messages between ranks; it cannot run under torch.func "
+                           "transforms (grad, vmap, ...): call it directly")
+
+
+def check_leaves(params: Any, names: Sequence[str], layout: Mapping[str, int], rank: int,
+                 subset: bool = False) -> None:
+    """Refuse a call's leaves that are not this pp rank's (all of them, or some: ``subset``).
+
+    Args:
+        params: what the call was given.
+        names: this rank's leaves.
+        layout: every leaf of the full model -> the pp rank holding it (for the message).
+        rank: this pp rank.
+        subset: any part of this rank's leaves will do.
+
+    Raises:
+        TypeError: not a mapping. ValueError: missing or unexpected names (naming the pp
+            rank holding each unexpected one).
+    """
+    if not isinstance(params, Mapping):
+        raise TypeError(f"pipeline params must be a dict of this rank's leaves, got "
+                        f"{type(params).__name__}")
+    mine = set(names)
+    missing = [] if subset else [n for n in names if n not in params]
+    unexpected = sorted(n for n in params if n not in mine)
+    if missing or unexpected:
+        others = [f"{n} (pp rank {layout[n]})" for n in unexpected if n in layout]
+        raise ValueError(f"pipeline params on pp rank {rank}: missing {missing}, "
+                         f"unexpected {unexpected}" +
+                         (f"; held by other ranks: {others}" if others else "") +
+                         ("; pass some of this rank's leaves" if subset else
+                          "; pass this rank's leaves (pp.init(seed))"))
 
 
 def _text(rows: int) -> str:
@@ -169,52 +206,42 @@ def _text(rows: int) -> str:
 
 def agree_on_batch(ax: Axis, inputs: Any, targets: Any, microbatches: int,
                    device: torch.device, what: str = "value_and_grad") -> None:
-    """Raise on every pp rank unless all pass the same batch size, targets' rows and
-    micro-batch count (a collective: every pp rank calls it before checking anything).
+    """Raise on every pp rank unless all pass the same batch size, targets' rows,
+    micro-batch count and batch structure (a collective: every pp rank calls it before
+    checking anything).
+
+    The structure is a digest of the inputs' and targets' pytree, every tensor leaf's rows
+    and every plain value (:func:`~.batch.batch_digest`), so a rank passing ``(x, mask)``
+    where another passes ``(x,)`` raises too; in check mode every leaf's values are
+    compared as well.
 
     Raises:
-        ValueError: naming each pp rank's sizes.
+        ValueError: naming each pp rank's sizes, or the ranks whose structures differ.
     """
     if ax.size == 1:
         return
-    mine = torch.tensor([_rows(inputs), _rows(targets), microbatches], dtype=torch.int64,
+    mine = torch.tensor([batch_rows(inputs), batch_rows(targets), microbatches,
+                         batch_digest(inputs), batch_digest(targets)], dtype=torch.int64,
                         device=device)
     every = c10d_functional.wait_tensor(
         c10d_functional.all_gather_into_tensor(mine, ax.size, ax.group_name))
-    found = [tuple(row) for row in every.view(ax.size, 3).tolist()]
-    if len(set(found)) > 1:
+    found = [tuple(row) for row in every.view(ax.size, 5).tolist()]
+    tail = ("; every pp rank must pass the same inputs and targets (stage 0 reads the inputs, "
+            "the last stage the targets) with the same micro-batch count")
+    if len({row[:3] for row in found}) > 1:
         ranks = "; ".join(f"pp rank {r}: inputs {_text(i)}, targets {_text(t)}, {m} "
-                          f"micro-batches" for r, (i, t, m) in enumerate(found))
-        raise ValueError(f"pipeline {what}: the pp ranks were given different batches ({ranks});"
-                         " every pp rank must pass the same inputs and targets (stage 0 reads "
-                         "the inputs, the last stage the targets) with the same micro-batch "
-                         "count")
-    batch = {"inputs": inputs, "targets": targets}
-    if consistency.enabled() and all(isinstance(v, torch.Tensor) for v in batch.values()
-                                     if v is not None):
-        consistency.check_replicated(f"pipeline {what} batch", ax, batch)
-
-
-def check_batch(inputs: Any, targets: Any, microbatches: int, declared: bool) -> None:
-    """Refuse a batch the step cannot split (on this rank).
-
-    Raises:
-        TypeError: inputs that are not one tensor with a batch dim.
-        ValueError: fewer rows than micro-batches, targets of another batch size, or a
-            batch that does not split evenly when shapes were declared.
-    """
-    m = microbatches
-    if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
-        raise TypeError("pipeline inputs must be one tensor with a batch dim 0, got "
-                        f"{type(inputs).__name__}")
-    batch = inputs.shape[0]
-    if batch < m:
-        raise ValueError(f"pipeline: a batch of {batch} rows cannot be split into {m} "
-                         "micro-batches (each needs at least one row)")
-    if targets is not None and (not isinstance(targets, torch.Tensor)
-                                or targets.dim() == 0 or targets.shape[0] != batch):
-        raise ValueError(f"pipeline targets must be a tensor with the inputs' batch size "
-                         f"{batch} on dim 0, got {describe(targets)}")
-    if declared and batch % m:
-        raise ValueError(f"pipeline: shapes= declares one shape per micro-batch, so the "
-                         f"batch ({batch} rows) must split evenly into {m} micro-batches")
+                          f"micro-batches" for r, (i, t, m, _, _) in enumerate(found))
+        raise ValueError(f"pipeline {what}: the pp ranks were given different batches "
+                         f"({ranks})" + tail)
+    if len({row[3:] for row in found}) > 1:
+        groups: dict[tuple, list[int]] = {}
+        for r, row in enumerate(found):
+            groups.setdefault(row[3:], []).append(r)
+        ranks = " vs ".join(f"pp ranks {g}" for g in groups.values())
+        raise ValueError(f"pipeline {what}: the pp ranks were given different batches: the "
+                         f"same rows, but inputs or targets of another structure, other rows "
+                         f"in some tensor, or other plain values ({ranks})" + tail)
+    kinds = (torch.Tensor, tuple, list, dict, type(None))
+    if consistency.enabled() and isinstance(inputs, kinds) and isinstance(targets, kinds):
+        consistency.check_replicated(f"pipeline {what} batch", ax,
+                                     {"inputs": inputs, "targets": targets})

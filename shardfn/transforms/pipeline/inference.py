@@ -33,7 +33,7 @@ __all__ = ["run_forward"]
 
 
 def run_forward(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]],
-                inputs: torch.Tensor, inferred: Mapping[tuple, DeclaredValue] | None = None
+                inputs: Any, inferred: Mapping[tuple, DeclaredValue] | None = None
                 ) -> tuple[Any, dict[tuple, DeclaredValue]]:
     """Inference: the forward actions of the schedule, no graph; the output on every pp rank.
 
@@ -41,6 +41,8 @@ def run_forward(plan: StepPlan, prepare: Callable[[], Mapping[str, torch.Tensor]
     rank and concatenated on dim 0 (per entry for a tuple). ``prepare`` checks the
     arguments and returns this rank's leaves (inside the error handling, as in
     ``run_step``); ``inferred`` are shapes a first call found, as in ``run_step``.
+    ``inputs`` is a tensor or a :class:`~.batch.UnitInputs` (stage 0's first unit gets
+    each micro-batch's piece of its arguments spread).
 
     Returns:
         ``(output, shapes)``: the model's output, and the activation shapes this rank

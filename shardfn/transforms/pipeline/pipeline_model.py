@@ -23,15 +23,21 @@ from torch import nn
 
 from shardfn import spec
 from shardfn._functional_leaves import refuse_differentiated_state
-from shardfn._torch_internals import get_interpreter_stack
 from shardfn.functional import FunctionalModel
 from shardfn.mesh import Mesh
 from shardfn.primitives import collectives
 from shardfn.primitives.reduced import mark_held
 from shardfn.transforms.pipeline._buffers import MessageBuffers
+from shardfn.transforms.pipeline.batch import as_unit_inputs, check_batch
 from shardfn.transforms.pipeline.caches import caches_of
 from shardfn.transforms.pipeline.forwards import step_plan
-from shardfn.transforms.pipeline.guard import CallGuard, agree_on_batch, check_batch, exclusive
+from shardfn.transforms.pipeline.guard import (
+    CallGuard,
+    agree_on_batch,
+    check_leaves,
+    exclusive,
+    refuse_transforms,
+)
 from shardfn.transforms.pipeline.inference import run_forward
 from shardfn.transforms.pipeline.leaves import CLIP_HELD, gather_over_pp, stage_gather, stage_shard
 from shardfn.transforms.pipeline.runtime import StepPlan, run_step
@@ -307,22 +313,27 @@ class PipelineModel:
         return self.infer_shapes or self.plan.declared is not None
 
     @exclusive
-    def value_and_grad(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor,
+    def value_and_grad(self, params: Mapping[str, torch.Tensor], inputs: Any,
                        targets: Any, *, report: bool = False, mutable: bool = False
                        ) -> tuple[Any, ...]:
         """One pipelined forward and backward over the whole batch.
 
         The batch is split on dim 0 into ``microbatches`` pieces (``torch.tensor_split``:
         sizes differ by at most one, unless ``shapes=`` was declared, which needs an
-        even split). The loss of micro-batch ``i`` is scaled by its size over the
-        batch, so with a ``loss_fn`` that is a mean over the micro-batch the total is
-        the unsplit mean. Every pp rank passes the same ``inputs`` and ``targets``
-        (only stage 0 reads the inputs' values, only the last stage the targets).
+        even split), every tensor of the inputs and targets alike (:mod:`.batch`). The
+        loss of micro-batch ``i`` is scaled by its size over the batch, so with a
+        ``loss_fn`` that is a mean over the micro-batch the total is the unsplit mean.
+        Every pp rank passes the same ``inputs`` and ``targets`` (only stage 0 reads the
+        inputs' values, only the last stage the targets).
 
         Args:
             params: this rank's leaves (as from :meth:`init`).
-            inputs: the batch's inputs (one tensor).
-            targets: the batch's targets (a tensor split like ``inputs``, or None).
+            inputs: the batch's inputs: a tensor (the first unit's argument), a tuple/list
+                of tensors (its positional arguments), a dict (its keyword arguments) or a
+                :class:`~.batch.UnitInputs`; values that are not tensors go whole to
+                every micro-batch.
+            targets: the batch's targets: a tensor or a tuple/list/dict of them, split like
+                ``inputs`` (``loss_fn`` gets each micro-batch's piece).
             report: also return the :class:`~.report.StepReport` (events, live graphs).
             mutable: also return this rank's buffers (BatchNorm statistics) after the
                 step: each stage's forwards update them micro-batch by micro-batch, as
@@ -339,13 +350,14 @@ class PipelineModel:
 
         Example:
             >>> loss, grads, buffers = pp.value_and_grad(params, x, y, mutable=True)
+            >>> loss, grads = pp.value_and_grad(params, {"x": x, "mask": mask}, {"y": y})
 
         Raises:
             ValueError: wrong leaves, a batch smaller than the micro-batch count, an
                 uneven split with declared shapes, a stage error, or pp ranks given different
                 batches (every rank raises). ConcurrentCallError: another thread's call.
         """
-        _refuse_transforms("value_and_grad")
+        refuse_transforms("value_and_grad")
         if not isinstance(mutable, bool):
             raise TypeError(f"value_and_grad: mutable must be True or False, got {mutable!r}")
         if mutable and not self.plan.mutable_forwards:
@@ -353,10 +365,7 @@ class PipelineModel:
                              "remat= (a recomputed forward would update the buffers again)")
 
         def prepare() -> Params:  # on every rank inside the step: a bad call stops them all
-            agree_on_batch(self.plan.ax, inputs, targets, self.schedule.n_microbatches,
-                           self.plan.device)
-            self._check_params(params)
-            self._check_batch(inputs, targets)
+            self._check_call(params, inputs, targets, "value_and_grad")
             refuse_differentiated_state(params, self.full.buffer_names, self.full.frozen_names,
                                         "pipeline value_and_grad")
             trainable = {n for stage in self.stages for n in stage.trainable}
@@ -366,8 +375,8 @@ class PipelineModel:
         key = signature(inputs, targets, self.schedule.n_microbatches) \
             if self._caches_shapes else None
         inferred = self.shape_cache.get(key)
-        loss, grads, step_report = run_step(self.plan, prepare, inputs, targets, inferred,
-                                            mutable, self.message_buffers)
+        loss, grads, step_report = run_step(self.plan, prepare, as_unit_inputs(inputs), targets,
+                                            inferred, mutable, self.message_buffers)
         if inferred is None:
             self.shape_cache.put(key, step_report.shapes)
         if self.dp_axis is not None:
@@ -384,7 +393,7 @@ class PipelineModel:
         return loss, {n: todo.get(n, g) for n, g in grads.items()}
 
     @exclusive
-    def apply(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor, *,
+    def apply(self, params: Mapping[str, torch.Tensor], inputs: Any, *,
               mutable: bool = False) -> Any:
         """Inference: the model's output for ``inputs``, on every pp rank (no graph).
 
@@ -395,7 +404,8 @@ class PipelineModel:
 
         Args:
             params: this rank's leaves.
-            inputs: the batch's inputs (the same on every pp rank).
+            inputs: the batch's inputs (the same on every pp rank): a tensor, a tuple/list
+                or a dict of them, as for :meth:`value_and_grad`.
             mutable: must be False: inference updates no buffers (for the buffers after
                 a training step, ``value_and_grad(..., mutable=True)``).
 
@@ -406,45 +416,28 @@ class PipelineModel:
             raise ValueError("pipeline apply is inference and updates no buffers, so "
                              "mutable=True is not supported: for the buffers after a step "
                              "use pp.value_and_grad(params, inputs, targets, mutable=True)")
-        _refuse_transforms("apply")
+        refuse_transforms("apply")
 
         def prepare() -> Mapping[str, torch.Tensor]:
-            agree_on_batch(self.plan.ax, inputs, None, self.schedule.n_microbatches,
-                           self.plan.device, "apply")
-            self._check_params(params)
-            self._check_batch(inputs, None)
+            self._check_call(params, inputs, None, "apply")
             return params
 
         key = signature(inputs, None, self.schedule.n_microbatches) if self._caches_shapes \
             else None
         inferred = self.shape_cache.get(key)
-        out, shapes = run_forward(self.plan, prepare, inputs, inferred)
+        out, shapes = run_forward(self.plan, prepare, as_unit_inputs(inputs), inferred)
         if inferred is None:
             self.shape_cache.put(key, shapes)
         return out
 
     # ------------------------------------------------------------------ checks
     def _check_params(self, params: Mapping[str, torch.Tensor], subset: bool = False) -> None:
-        if not isinstance(params, Mapping):
-            raise TypeError(f"pipeline params must be a dict of this rank's leaves, got "
-                            f"{type(params).__name__}")
-        names = set(self.names)
-        missing = [] if subset else [n for n in self.names if n not in params]
-        unexpected = sorted(n for n in params if n not in names)
-        if missing or unexpected:
-            others = [f"{n} (pp rank {self.layout[n]})" for n in unexpected if n in self.layout]
-            raise ValueError(f"pipeline params on pp rank {self.rank}: missing {missing}, "
-                             f"unexpected {unexpected}" +
-                             (f"; held by other ranks: {others}" if others else "") +
-                             ("; pass some of this rank's leaves" if subset else
-                              "; pass this rank's leaves (pp.init(seed))"))
+        check_leaves(params, self.names, self.layout, self.rank, subset)
 
-    def _check_batch(self, inputs: Any, targets: Any) -> None:
-        check_batch(inputs, targets, self.schedule.n_microbatches, self.plan.declared is not None)
+    def _check_call(self, params: Any, inputs: Any, targets: Any, what: str) -> None:
+        """The same batch on every pp rank (a collective), then this rank's leaves and batch."""
+        m = self.schedule.n_microbatches
+        agree_on_batch(self.plan.ax, inputs, targets, m, self.plan.device, what)
+        self._check_params(params)
+        check_batch(inputs, targets, m, self.plan.declared is not None)
 
-
-def _refuse_transforms(what: str) -> None:
-    if get_interpreter_stack():
-        raise RuntimeError(f"pipeline {what} runs a whole pipelined step with its own autograd "
-                           "and messages between ranks; it cannot run under torch.func "
-                           "transforms (grad, vmap, ...): call it directly")

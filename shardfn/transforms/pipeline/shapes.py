@@ -5,9 +5,9 @@ When the receiver does not know the shapes it must wait for the header before
 it can post the payloads: one round trip more per message. Three modes:
 
 * ``shapes=None`` (the default, as ``torch.distributed.pipelining`` infers shapes
-  at the first step): the first call for a *batch signature* (inputs' shape and
-  dtype, targets' shape and dtype, micro-batch count, autocast state) exchanges
-  headers first;
+  at the first step): the first call for a *batch signature* (the inputs' and
+  targets' structure, each tensor's shape and dtype and each plain value, the
+  micro-batch count, the autocast state) exchanges headers first;
   the activation shapes it found are cached in the pipeline model
   (:class:`ShapeCache`) and later calls with that signature declare them. A
   later stage output that differs raises on its rank (every rank stops), and the
@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 
 from shardfn.transforms.pipeline._p2p import Declared, DeclaredValue
+from shardfn.transforms.pipeline.batch import batch_signature
 
 __all__ = ["DYNAMIC", "Dynamic", "ShapeCache", "parse_shapes", "signature"]
 
@@ -100,17 +101,19 @@ def parse_shapes(shapes: Any, n_boundaries: int) -> tuple[DeclaredValue, ...] | 
 
 
 def signature(inputs: Any, targets: Any, microbatches: int) -> tuple | None:
-    """The batch signature shapes are cached under: the inputs' and targets' shapes and
-    dtypes, the micro-batch count and the autocast state; None (not tensors: no cache)."""
-    def of(x: Any) -> tuple | None:
-        return (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None
-
-    if not isinstance(inputs, torch.Tensor) or not (targets is None
-                                                      or isinstance(targets, torch.Tensor)):
+    """The batch signature shapes are cached under: the inputs' and targets' structure,
+    every tensor leaf's shape and dtype and every plain value (a tuple or dict of inputs
+    is a pytree: :func:`~.batch.batch_signature`), the micro-batch count and the autocast
+    state; None (no cache: headers every call) when a leaf is neither a tensor nor a plain
+    value, or the inputs are not a tensor, tuple, list or dict."""
+    if not isinstance(inputs, (torch.Tensor, tuple, list, Mapping)):
+        return None
+    sides = batch_signature(inputs), batch_signature(targets)
+    if None in sides:
         return None
     autocast = tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
                      if torch.is_autocast_enabled(device))  # it changes activation dtypes
-    return of(inputs), of(targets), microbatches, autocast
+    return *sides, microbatches, autocast
 
 
 class ShapeCache:

@@ -3,7 +3,8 @@
 ``pipeline_stages`` builds one plan per model (:func:`~.forwards.step_plan`); every
 step and every inference call of that model runs over it. The plan also names each
 message of a step with a tag (:meth:`StepPlan.tag_of`) and says what shapes it
-declares (:meth:`StepPlan.declared_of`).
+declares (:meth:`StepPlan.declared_of`). How a batch is cut into micro-batches
+(``split_microbatches``, kept importable from here) is :mod:`.batch`'s.
 
 Example:
     >>> plan.tag_of((MessageKind.ACT, 0, 1))          # an int, the same on both ranks
@@ -21,6 +22,7 @@ import torch
 
 from shardfn.primitives._comm import Axis
 from shardfn.transforms.pipeline._p2p import DeclaredValue
+from shardfn.transforms.pipeline.batch import split_microbatches
 from shardfn.transforms.pipeline.kinds import MessageKey, MessageKind
 from shardfn.transforms.pipeline.messages import release_points
 from shardfn.transforms.pipeline.schedules import Schedule
@@ -99,15 +101,3 @@ class StepPlan:
             (inferred or {}).get((MessageKind.ACT, boundary, microbatch))
         # the gradient of an integer activation (entry) has no payload
         return found if kind == MessageKind.ACT or found is None else grad_declared(found)
-
-
-def split_microbatches(x: Any, m: int) -> list[Any]:
-    """``m`` pieces of ``x`` on dim 0 (``torch.tensor_split``: sizes differ by at most one).
-
-    Example:
-        >>> [len(piece) for piece in split_microbatches(torch.zeros(5, 2), 2)]
-        [3, 2]
-    """
-    if x is None:
-        return [None] * m
-    return list(torch.tensor_split(x, m, dim=0))

@@ -31,6 +31,7 @@ import torch
 
 import shardfn.transforms.pipeline._weight_grad as wg
 from shardfn.transforms.pipeline._p2p import DeclaredValue, Messenger
+from shardfn.transforms.pipeline.batch import batch_rows
 from shardfn.transforms.pipeline.kinds import MessageKey
 from shardfn.transforms.pipeline.report import Event
 from shardfn.transforms.pipeline.step_plan import StepPlan, split_microbatches
@@ -133,7 +134,8 @@ def start_step(plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs: Any, 
     Args:
         plan: the step plan.
         leaves: this rank's leaves.
-        inputs: the whole batch's inputs (split on dim 0 into the micro-batches).
+        inputs: the whole batch's inputs: a tensor or a :class:`~.batch.UnitInputs`
+            (every tensor split on dim 0 into the micro-batches).
         targets: the whole batch's targets, or None (inference).
         messenger: the step's messenger.
         inferred: the shapes a first step found (``run_step``), or None.
@@ -154,7 +156,7 @@ def start_step(plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs: Any, 
         n: leaves[n] for st in mine for n in st.names
         if n not in st.trainable and n in buffer_names}
     step = StepInputs(plan, leaves, tuple(split_microbatches(inputs, m)),
-                      tuple(split_microbatches(targets, m)), inputs.shape[0], inferred, mutable,
+                      tuple(split_microbatches(targets, m)), batch_rows(inputs), inferred, mutable,
                       messenger, time.perf_counter())
     progress = Progress(local={}, kept={}, loss=None, buffers=buffers,
                         next_forward={st.index: 0 for st in mine}, seen={},
