@@ -146,7 +146,13 @@ def test_hf_units_keep_the_model_names_and_init():
     with pytest.raises(ValueError, match="unknown keys \\['token_type_ids'\\]"):
         pp.value_and_grad(params, {"input_ids": hf_batch()["input_ids"],
                                    "token_type_ids": hf_batch()["input_ids"]})
-    with pytest.raises(ValueError, match="stage models are not supported there yet"):
-        sf.pipeline_stages(model, sf.Mesh({"pp": 1, "dp": 1}), "pp", balance=[1, 4],
-                           virtual=2, schedule="interleaved", microbatches=2,
-                           stage_transform=lambda s, m: sf.shard_params(s, m, "dp"))
+    # stage models keep the names and init too: both virtual stages (one rank) hold the
+    # tied embedding as shard_params shards; its gradient is the sum of both uses
+    sharded = sf.pipeline_stages(model, sf.Mesh({"pp": 1, "dp": 1}), "pp", balance=[1, 4],
+                                 virtual=2, schedule="interleaved", microbatches=2,
+                                 stage_transform=lambda s, m: sf.shard_params(s, m, "dp"))
+    assert sharded.names == fm.names and sorted(sharded.stage_models) == [0, 1]
+    assert all(torch.equal(t, full[n]) for n, t in sharded.init(0).items())
+    batch = {"input_ids": hf_batch()["input_ids"], "labels": hf_batch()["labels"]}
+    torch.testing.assert_close(sharded.value_and_grad(params, batch),
+                               pp.value_and_grad(params, batch))

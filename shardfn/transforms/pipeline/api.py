@@ -35,7 +35,7 @@ from shardfn.transforms.pipeline.balance import BalanceBy
 from shardfn.transforms.pipeline.forwards import step_plan
 from shardfn.transforms.pipeline.hf_units import (
     HFPipelineModel,
-    causal_lm_loss,
+    hf_loss,
     hf_units,
     is_pretrained,
 )
@@ -45,6 +45,7 @@ from shardfn.transforms.pipeline.shapes import parse_shapes
 from shardfn.transforms.pipeline.split import PipelineSplit, find_split, pipeline_split
 from shardfn.transforms.pipeline.stage import ModelUnits, model_units, resolve_balance
 from shardfn.transforms.pipeline.tied_model import TiedPipelineModel
+from shardfn.transforms.pipeline.ties import tied_local_shapes
 from shardfn.transforms.pipeline.written import resolve_schedule
 from shardfn.transforms.precision import takes_precision
 from shardfn.transforms.shard_params import ShardedModel
@@ -80,13 +81,18 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module] | Sequence[Any], 
             ``sf.with_precision``, ``sf.remat``), over ``mesh.submesh([...])`` without
             ``axis`` (this rank's slice). A stage model's gradients are its own:
             ``dp_axis`` does not average them again where it reduces over that axis
-            (``shard_params``). Or a Hugging Face causal LM (``PreTrainedModel``): cut into
-            units keeping its leaf names (:func:`~.hf_units.hf_units`; the result is an
-            :class:`~.hf_units.HFPipelineModel` taking HF's ``input_ids``,
-            ``attention_mask``, ``position_ids``, ``labels``); or
+            (``shard_params``). Or a Hugging Face model (``PreTrainedModel``: a decoder,
+            or BERT): cut into units keeping its leaf names (:func:`~.hf_units.hf_units`;
+            the result is an :class:`~.hf_units.HFPipelineModel` taking HF's
+            ``input_ids``, ``attention_mask``, ``position_ids``, ``token_type_ids``,
+            ``labels``); or
             :class:`~.stage.ModelUnits` (units cut from a model, keeping its names).
             Weights tied across units (an embedding and its head) are held by every stage
-            using them, their gradients summed between those ranks (:mod:`.ties`).
+            using them, their gradients summed between those ranks (:mod:`.ties`). Stage
+            models of these (``stage_transform=``, or ``sf.pipeline_split(hf_model,
+            balance)``'s stages transformed) are named, initialised and planned like the
+            model (:mod:`.named_stage`: PP x FSDP, ``tensor_split(plan="auto")``); a tied
+            weight must be laid out alike by every stage holding it (else refused).
         mesh: the mesh; ``axis`` must be one of its axes.
         axis: the pipeline axis.
         balance: with units: units per stage (``p * virtual`` positive counts summing to
@@ -99,7 +105,8 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module] | Sequence[Any], 
             micro-batches and ``virtual`` match; its placement says where stages live.
         microbatches: micro-batches per step ``m``.
         loss_fn: ``loss_fn(out, targets) -> scalar``, a mean over the micro-batch. For a
-            Hugging Face model also ``"causal_lm"`` (the default there): the model's own
+            Hugging Face model also ``"causal_lm"`` (the default for a decoder), ``"masked_lm"``
+            or ``"sequence_classification"`` (BERT's heads): the model's own
             ``loss_function`` over the whole batch's tokens (HF's loss, with padding too).
         virtual: stages per rank (interleaved schedules).
         shapes: None (default): inferred at the first call for each batch signature
@@ -126,7 +133,8 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module] | Sequence[Any], 
     Raises:
         ValueError: an unknown schedule or axis, a bad balance, bad ``shapes``; stage
             models that are not one split's stages in order, or whose mesh is not this
-            rank's slice without ``axis``.
+            rank's slice without ``axis``; a tied weight whose holding stages lay it out
+            differently (naming the leaf and both layouts).
         TypeError: a stage model that is a pipeline (a pipeline is never a stage).
 
     Example:
@@ -135,19 +143,24 @@ def pipeline_stages(model: nn.Sequential | Sequence[nn.Module] | Sequence[Any], 
         >>> pp = sf.pipeline_stages(stages, mesh, "pp", schedule="1f1b", microbatches=4,
         ...                         loss_fn=mse, dp_axis="dp")
         >>> loss, grads = pp.value_and_grad(pp.init(0), x, y)
+        >>> pp = sf.pipeline_stages(llama, mesh, "pp", balance=[2, 2], microbatches=4,
+        ...                         dp_axis="dp",   # PP x FSDP, torchtitan's Llama recipe
+        ...                         stage_transform=lambda s, m: sf.shard_params(s, m, "dp"))
     """
-    hf = is_pretrained(model)
+    pretrained = is_pretrained(model)
+    given = None if pretrained or isinstance(model, ModelUnits) else _stage_models_given(model)
+    split = None if given is None else find_split(given)
+    hf = pretrained or (split is not None and split.hf)  # stage models cut from a HF model
     if hf:
-        loss_fn, counts_tokens = _hf_loss(model, loss_fn)
-        model = hf_units(model)
+        loss_fn, counts_tokens = _hf_loss(model if pretrained else split.full.module, loss_fn)
     _check_options(mesh, axis, schedule, microbatches, virtual, dp_axis, loss_fn)
     ax = resolve(axis, mesh)
     n_stages = ax.size * virtual
-    given = None if isinstance(model, ModelUnits) else _stage_models_given(model)
     if given is None:
-        units = model_units(model)
-        split = pipeline_split(units, resolve_balance(balance, units.units, n_stages, sample,
-                                                      mesh), n_stages=n_stages)
+        units = hf_units(model) if pretrained else model_units(model)
+        split = pipeline_split(model if pretrained else units,  # HF: cut again, same units
+                               resolve_balance(balance, units.units, n_stages, sample, mesh),
+                               n_stages=n_stages)
         if stage_transform is None:
             given = tuple(split)
         else:  # the sugar: transform each stage, then the stage-models path below
@@ -178,20 +191,11 @@ def _fields(model: PipelineModel) -> list[Any]:
     return [getattr(model, f.name) for f in dataclasses.fields(PipelineModel)]
 
 
-def _hf_loss(model: nn.Module, loss_fn: Any) -> tuple[Callable, bool]:
-    """A Hugging Face model's ``loss_fn``: ``"causal_lm"`` (default) is its own loss over
-    the whole batch's tokens (labels packed with the count); a callable is used as given."""
-    if loss_fn is None or loss_fn == "causal_lm":
-        vocab = getattr(model.config, "vocab_size", None)
-        if getattr(model, "get_output_embeddings", lambda: None)() is None or vocab is None:
-            raise ValueError(f"pipeline_stages: {type(model).__name__} has no language-model "
-                             "head, so there is no 'causal_lm' loss: pass loss_fn=(out, "
-                             "targets) -> scalar")
-        return causal_lm_loss(model.loss_function, vocab), True
-    if isinstance(loss_fn, str):
-        raise ValueError(f"pipeline_stages: unknown loss_fn {loss_fn!r}; for a Hugging Face "
-                         "model 'causal_lm' or a callable (out, targets) -> scalar")
-    return loss_fn, False
+def _hf_loss(model: nn.Module, loss_fn: Any) -> tuple[Callable, Any]:
+    """A Hugging Face model's ``loss_fn``: by default its own loss over the whole batch
+    (``"causal_lm"``, ``"masked_lm"``, ``"sequence_classification"``; labels packed with
+    the token count); a callable is used as given (:func:`~.hf_batch.hf_loss`)."""
+    return hf_loss(model, loss_fn)
 
 
 def _build(split: PipelineSplit, given: Sequence[Any], mesh: Mesh, axis: str, ax: Any,
@@ -204,14 +208,6 @@ def _build(split: PipelineSplit, given: Sequence[Any], mesh: Mesh, axis: str, ax
                          f"{list(split.balance)}), but the pipeline has {n_stages} stages "
                          f"(pp size {ax.size} x virtual {virtual}): split into {n_stages}")
     transformed = {s: m for s, m in enumerate(given) if m is not split[s]}
-    if transformed and (split.named_by_root or split.tied_across()):
-        raise ValueError(f"pipeline_stages: stages {sorted(transformed)} are transformed "
-                         "stage models, but "
-                         + ("the units keep the names of the model they were cut from "
-                            "(a Hugging Face model)" if split.named_by_root else
-                            f"weights are tied across stages ({split.tied_across()})")
-                         + ": stage models are not supported there yet; pipeline the "
-                         "plain stages")
     for index, stage_model in transformed.items():
         _check_stage_model(index, stage_model, mesh, axis)
     if remat is not None and transformed:
@@ -227,7 +223,9 @@ def _build(split: PipelineSplit, given: Sequence[Any], mesh: Mesh, axis: str, ax
                              "then W through the same graph), but shard_params frees a "
                              f"stage's graph after one backward (stages {sharded}): use "
                              "'gpipe', '1f1b' or 'interleaved'")
-    stage_plan = split.plan(ax.size).placed(plan.rank_of)
+    shapes_of_ties = tied_local_shapes(split.tied_across(), given, _reduced_axes)
+    stage_plan = dataclasses.replace(split.plan(ax.size).placed(plan.rank_of),
+                                     tied_shapes=shapes_of_ties)
     mine = {stage.index for stage in stage_plan.on_rank(ax.index)}
     models = {s: m for s, m in transformed.items() if s in mine}
     reduced = {s: _reduced_axes(m) for s, m in models.items()}

@@ -1,35 +1,32 @@
-"""A Hugging Face causal LM as pipeline units, keeping the model's own leaf names.
+"""A Hugging Face model as pipeline units, keeping the model's own leaf names.
 
 ``pipeline_stages(hf_model, mesh, "pp", balance=..., microbatches=...)`` recognises a
-``PreTrainedModel`` and cuts it into units (:func:`hf_units`), in the order of HF's
-``base_model_pp_plan`` where the config has one (``embed_tokens``, ``layers``, ``norm``):
+``PreTrainedModel`` and cuts it into units (:func:`hf_units`). A decoder (Llama, Qwen2,
+Mistral, ... in the order of HF's ``base_model_pp_plan`` where the config has one:
+``embed_tokens``, ``layers``, ``norm``; GPT-2's ``wte``/``wpe``/``h``/``ln_f``):
 
 * **embed**: the token embedding (GPT-2: plus the position embedding and dropout); it
   computes, once per micro-batch, what every block needs besides the hidden states: the
-  rotary ``(cos, sin)`` (Llama family), the attention mask as the model builds it
-  (``create_causal_mask`` of the model's own module: causal, with the padding of
+  rotary ``(cos, sin)`` (Llama family), the attention masks as the model builds them
+  (:mod:`.hf_masks`: the model's own ``create_causal_mask``, and
+  ``create_sliding_window_causal_mask`` for sliding-window layers, with the padding of
   ``attention_mask``, in the config's attention implementation) and the position ids;
 * one unit per **decoder layer**, taking and returning the boundary tuple
-  ``(hidden, cos, sin, mask, position_ids)`` (GPT-2: ``(hidden, mask, position_ids)``);
-  only ``hidden`` gets a gradient, the rest travel forward;
+  ``(hidden, cos, sin, *masks, position_ids)`` (one mask per kind of layer, each layer
+  taking its own; GPT-2: ``(hidden, mask, position_ids)``); only ``hidden`` gets a
+  gradient, the rest travel forward;
 * **head**: the final norm and the output projection (``lm_head``): the logits.
 
-The units are made of the model's own submodules, so their leaves are the model's
-tensors and the pipeline names them as ``sf.functional(hf_model)`` does
-(``"model.layers.0.self_attn.q_proj.weight"``): ``pp.gather(params)`` loads into the HF
-model, ``pp.functional`` *is* ``sf.functional(hf_model)`` and ``init`` follows HF's
-``_init_weights``. A tied ``lm_head`` (GPT-2, ``tie_word_embeddings``) is held by the
-first and the last stage (:mod:`.ties`).
+An encoder (BERT) is cut by :mod:`.hf_encoder`. The units are made of the model's own
+submodules, so their leaves are the model's tensors and the pipeline names them as
+``sf.functional(hf_model)`` does (``"model.layers.0.self_attn.q_proj.weight"``):
+``pp.gather(params)`` loads into the HF model, ``pp.functional`` *is*
+``sf.functional(hf_model)`` and ``init`` follows HF's ``_init_weights``. A tied head
+(GPT-2, ``tie_word_embeddings``, BERT's MLM decoder) is held by the first and the last
+stage (:mod:`.ties`). A model parameter no unit uses is refused (naming it).
 
-A micro-batch is ``input_ids`` with ``attention_mask`` and ``position_ids`` (defaults:
-all ones, ``arange``, as HF's), packed into one ``(batch, 3, seq)`` integer tensor split
-on dim 0 like any pipeline input (:func:`pack_inputs`); ``labels`` are the targets.
-The default loss (``loss_fn="causal_lm"``) is the model's own ``loss_function`` with
-``num_items_in_batch`` the whole batch's count of predicted tokens, so the step's loss
-is HF's: the mean over every non-ignored token of the batch, also with padding.
-
-``transformers`` is never imported here: the model's own module (already imported) gives
-``create_causal_mask``.
+A micro-batch is HF's integer inputs packed into one tensor (:mod:`.hf_batch`); ``labels``
+are the targets; the default loss is the model's own over the whole batch.
 
 Example:
     >>> pp = sf.pipeline_stages(llama, mesh, "pp", balance=[2, 2], microbatches=4)
@@ -40,22 +37,30 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from shardfn._functional_hf import pretrained_model_class
+from shardfn.transforms.pipeline.hf_batch import (
+    HFLoss,
+    causal_lm_loss,
+    hf_loss,
+    pack_inputs,
+    pack_labels,
+)
+from shardfn.transforms.pipeline.hf_encoder import encoder_units, is_encoder
+from shardfn.transforms.pipeline.hf_masks import ModelMasks, given_mask, layer_kinds
 from shardfn.transforms.pipeline.stage import ModelUnits
 from shardfn.transforms.pipeline.tied_model import TiedPipelineModel
 
-__all__ = ["HFPipelineModel", "causal_lm_loss", "hf_units", "is_pretrained", "pack_inputs",
-           "pack_labels"]
+__all__ = ["HFPipelineModel", "causal_lm_loss", "hf_loss", "hf_units", "is_pretrained",
+           "pack_inputs", "pack_labels"]
 
-_IGNORE = -100  # HF's label for "no prediction here"
 _KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
+_ENCODER_KEYS = _KEYS + ("token_type_ids",)
 
 
 def is_pretrained(model: Any) -> bool:
@@ -64,51 +69,33 @@ def is_pretrained(model: Any) -> bool:
     return pretrained is not None and isinstance(model, pretrained)
 
 
-class _Base:
-    """The base model's config and its module's ``create_causal_mask`` (what the model's
-    own forward calls), kept outside the module tree (no leaves)."""
-
-    def __init__(self, base: nn.Module) -> None:
-        self.module, self.config = type(base).__module__, base.config
-        if getattr(sys.modules[self.module], "create_causal_mask", None) is None:
-            raise TypeError(f"pipeline: {type(base).__name__}'s module has no "
-                            "create_causal_mask; this Hugging Face model is not supported by "
-                            "pipeline_stages yet")
-
-    def mask(self, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> Any:
-        """The attention mask of one micro-batch, as the model builds it."""
-        create = sys.modules[self.module].create_causal_mask
-        return create(config=self.config, inputs_embeds=embeds, attention_mask=mask, cache=None,
-                      position_ids=positions)
-
-
 class RotaryEmbed(nn.Module):
-    """Llama family: token embedding, rotary ``(cos, sin)``, mask and position ids."""
+    """Llama family: token embedding, rotary ``(cos, sin)``, masks and position ids."""
 
-    def __init__(self, base: nn.Module, embed: nn.Module, rotary: nn.Module | None) -> None:
+    def __init__(self, embed: nn.Module, rotary: nn.Module | None, masks: ModelMasks) -> None:
         super().__init__()
-        self.embed, self.rotary, self.base = embed, rotary, _Base(base)
+        self.embed, self.rotary, self.masks = embed, rotary, masks
 
     def forward(self, batch: torch.Tensor) -> tuple[Any, ...]:
         ids, mask, positions = batch.unbind(1)
         hidden = self.embed(ids)
         cos, sin = (None, None) if self.rotary is None else self.rotary(hidden, positions)
-        return hidden, cos, sin, self.base.mask(hidden, mask, positions), positions
+        return (hidden, cos, sin, *self.masks(hidden, given_mask(mask), positions), positions)
 
 
 class RotaryLayer(nn.Module):
-    """Llama family: one decoder layer over the boundary tuple."""
+    """Llama family: one decoder layer over the boundary tuple, with mask ``slot``."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, slot: int = 0) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer, self.slot = layer, slot
 
     def forward(self, x: tuple[Any, ...]) -> tuple[Any, ...]:
-        hidden, cos, sin, mask, positions = x
+        hidden, cos, sin, *masks, positions = x
         rotary = None if cos is None else (cos, sin)
-        out = self.layer(hidden, attention_mask=mask, position_ids=positions,
+        out = self.layer(hidden, attention_mask=masks[self.slot], position_ids=positions,
                          position_embeddings=rotary)
-        return (out[0] if isinstance(out, tuple) else out), cos, sin, mask, positions
+        return ((out[0] if isinstance(out, tuple) else out), cos, sin, *masks, positions)
 
 
 class LearnedEmbed(nn.Module):
@@ -116,13 +103,14 @@ class LearnedEmbed(nn.Module):
 
     def __init__(self, base: nn.Module) -> None:
         super().__init__()
-        self.wte, self.wpe, self.drop, self.base = base.wte, base.wpe, base.drop, _Base(base)
+        self.wte, self.wpe, self.drop = base.wte, base.wpe, base.drop
+        self.masks = ModelMasks(base, ("full_attention",))
 
     def forward(self, batch: torch.Tensor) -> tuple[Any, ...]:
         ids, mask, positions = batch.unbind(1)
         embeds = self.wte(ids)
         hidden = self.drop(embeds + self.wpe(positions))
-        return hidden, self.base.mask(embeds, mask, positions), positions
+        return (hidden, *self.masks(embeds, given_mask(mask), positions), positions)
 
 
 class LearnedLayer(nn.Module):
@@ -152,128 +140,88 @@ class Head(nn.Module):
 
 
 def hf_units(model: nn.Module) -> ModelUnits:
-    """A Hugging Face decoder model (``...ForCausalLM`` or its base model) as pipeline units.
+    """A Hugging Face model (decoder, its base model, or BERT) as pipeline units.
 
     Args:
         model: a ``PreTrainedModel`` of the Llama family (``embed_tokens``, ``layers``,
-            ``norm``, ``rotary_emb``: Llama, Mistral without sliding window, ...) or of
-            GPT-2's (``wte``, ``wpe``, ``h``, ``ln_f``).
+            ``norm``, ``rotary_emb``: Llama, Qwen2, Mistral, ...), of GPT-2's (``wte``,
+            ``wpe``, ``h``, ``ln_f``), or BERT (:func:`~.hf_encoder.encoder_units`).
 
     Returns:
         :class:`~.stage.ModelUnits`: ``[embed, layer 0, ..., layer n-1, head]`` over
         ``model``'s own submodules.
 
     Raises:
-        TypeError: a model of another layout (naming what was looked for).
+        TypeError: a model of another layout (naming what was looked for), an attention
+            kind or implementation the units do not build masks for, or a parameter of the
+            model that no unit uses.
 
     Example:
         >>> [type(u).__name__ for u in hf_units(llama).units]
         ['RotaryEmbed', 'RotaryLayer', 'RotaryLayer', 'Head']
     """
     base = getattr(model, "base_model", model)
+    if is_encoder(model):
+        return _covered(ModelUnits(model, tuple(encoder_units(model))))
     config = model.config
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        raise TypeError(f"pipeline: {type(model).__name__} uses sliding-window attention "
-                        f"(config.sliding_window={config.sliding_window}), whose masks the "
-                        "pipeline units do not build yet; set config.sliding_window=None")
     plan = dict(getattr(config, "base_model_pp_plan", None) or {})
     embed, layers, norm = (plan and list(plan)) or ("embed_tokens", "layers", "norm")
     if all(hasattr(base, n) for n in (embed, layers, norm)):
-        count = getattr(config, "num_hidden_layers", len(getattr(base, layers)))
-        units: list[nn.Module] = [RotaryEmbed(base, getattr(base, embed),
-                                              getattr(base, "rotary_emb", None))]
-        units += [RotaryLayer(layer) for layer in list(getattr(base, layers))[:count]]
+        blocks = list(getattr(base, layers))[:getattr(config, "num_hidden_layers",
+                                                      len(getattr(base, layers)))]
+        kinds = layer_kinds(config, len(blocks))
+        distinct = tuple(dict.fromkeys(kinds))
+        units: list[nn.Module] = [RotaryEmbed(getattr(base, embed),
+                                              getattr(base, "rotary_emb", None),
+                                              ModelMasks(base, distinct))]
+        units += [RotaryLayer(block, distinct.index(kind))
+                  for block, kind in zip(blocks, kinds, strict=True)]
     elif all(hasattr(base, n) for n in ("wte", "wpe", "h", "ln_f")):
         units, norm = [LearnedEmbed(base)] + [LearnedLayer(block) for block in base.h], "ln_f"
     else:
-        raise TypeError(f"pipeline: {type(model).__name__} is not a decoder pipeline_stages can "
+        raise TypeError(f"pipeline: {type(model).__name__} is not a model pipeline_stages can "
                         "cut into units yet: it looks for base_model_pp_plan's modules (or "
-                        f"{embed!r}, {layers!r}, {norm!r}) or GPT-2's wte/wpe/h/ln_f in "
-                        f"{type(base).__name__}; give the units yourself: ModelUnits(model, "
-                        "units) of shardfn.transforms.pipeline.stage")
-    return ModelUnits(model, tuple(units) + (Head(getattr(base, norm), head),))
+                        f"{embed!r}, {layers!r}, {norm!r}), GPT-2's wte/wpe/h/ln_f or BERT's "
+                        f"embeddings/encoder in {type(base).__name__}; give the units "
+                        "yourself: ModelUnits(model, units) of shardfn.transforms.pipeline.stage")
+    return _covered(ModelUnits(model, tuple(units) + (Head(getattr(base, norm), head),)))
 
 
-def pack_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """One micro-batchable tensor ``(batch, 3, seq)`` of a causal LM's integer inputs.
-
-    Args:
-        input_ids: ``(batch, seq)`` token ids.
-        attention_mask: ``(batch, seq)``, 1 for tokens to attend to (default: all ones).
-        position_ids: ``(batch, seq)`` (default: ``arange(seq)`` per row, as HF's).
-
-    Returns:
-        ``stack([input_ids, attention_mask, position_ids], 1)`` as int64.
-
-    Example:
-        >>> pack_inputs(torch.zeros(2, 5, dtype=torch.long)).shape
-        torch.Size([2, 3, 5])
-    """
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"pipeline: input_ids must be a (batch, seq) tensor, got "
-                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
-    rows, seq = input_ids.shape
-    ones = torch.ones_like(input_ids)
-    mask = ones if attention_mask is None else attention_mask
-    positions = torch.arange(seq, device=input_ids.device).expand(rows, seq) \
-        if position_ids is None else position_ids.expand(rows, seq)
-    for name, value in (("attention_mask", mask), ("position_ids", positions)):
-        if tuple(value.shape) != (rows, seq):
-            raise ValueError(f"pipeline: {name} has shape {tuple(value.shape)}, but input_ids "
-                             f"has {(rows, seq)}")
-    return torch.stack([input_ids, mask.to(input_ids.dtype), positions.to(input_ids.dtype)], 1)
-
-
-def pack_labels(labels: torch.Tensor) -> torch.Tensor:
-    """``labels`` with two columns more: the batch's predicted-token count and its rows.
-
-    What :func:`causal_lm_loss` needs to give HF's loss over the whole batch from one
-    micro-batch at a time (columns are split with the rows, so every micro-batch has them).
-
-    Example:
-        >>> pack_labels(torch.tensor([[1, 2, -100]]))
-        tensor([[   1,    2, -100,    1,    1]])
-    """
-    if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
-        raise ValueError(f"pipeline: labels must be a (batch, seq) tensor, got "
-                         f"{getattr(labels, 'shape', type(labels).__name__)}")
-    counted = (labels[:, 1:] != _IGNORE).sum()  # shifted: token t predicts t + 1
-    extra = torch.stack([counted, torch.tensor(labels.shape[0], device=labels.device)])
-    return torch.cat([labels, extra.to(labels.dtype).expand(labels.shape[0], 2)], dim=1)
-
-
-def causal_lm_loss(loss_function: Callable, vocab_size: int) -> Callable:
-    """``loss_fn(logits, packed_labels)``: HF's ``loss_function`` with the whole batch's
-    token count (``num_items_in_batch``), rescaled so the pipeline's per-micro-batch row
-    weighting gives HF's loss over the whole batch.
-
-    Example:
-        >>> loss_fn = causal_lm_loss(llama.loss_function, llama.config.vocab_size)
-    """
-    def loss_fn(logits: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        labels, count, rows = packed[:, :-2], packed[0, -2], packed[0, -1]
-        loss = loss_function(logits=logits, labels=labels, vocab_size=vocab_size,
-                             num_items_in_batch=count.clamp(min=1))
-        return loss * (rows / labels.shape[0])  # the pipeline weighs it by rows / batch
-
-    return loss_fn
+def _covered(units: ModelUnits) -> ModelUnits:
+    """``units``, checked to use every parameter of the model (else the pipeline would
+    silently leave it out of ``names``, gradients and ``gather``)."""
+    used = {id(p) for unit in units.units for p in unit.parameters()}
+    missing = [n for n, p in units.root.named_parameters() if id(p) not in used]
+    if missing:
+        raise TypeError(f"pipeline: {type(units.root).__name__}'s units do not use "
+                        f"{missing[:4]}{' ...' if len(missing) > 4 else ''}: this head or "
+                        "layout is not one pipeline_stages cuts into units; give the units "
+                        "yourself: ModelUnits(model, units) of shardfn.transforms.pipeline.stage")
+    return units
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class HFPipelineModel(TiedPipelineModel):
-    """The pipeline of a Hugging Face causal LM (see the module docstring).
+    """The pipeline of a Hugging Face model (see the module docstring).
 
     ``value_and_grad`` and ``apply`` take the batch as HF's keyword inputs: a dict with
-    ``input_ids`` and optionally ``attention_mask``, ``position_ids`` and ``labels``, or
-    ``input_ids`` alone (and the labels as ``targets``).
+    ``input_ids`` and optionally ``attention_mask``, ``position_ids``, ``labels`` (and an
+    encoder's ``token_type_ids``), or ``input_ids`` alone (and the labels as ``targets``).
 
     Attributes:
-        counts_tokens: the loss is ``"causal_lm"`` (labels are packed with the token count).
+        counts_tokens: the model's own loss (:data:`~.hf_batch.HFLoss`) whose labels
+            :meth:`batch` prepares (``"causal_lm"``, ``"masked_lm"``: packed with the
+            batch's token count, shifted or not; ``"sequence_classification"``: checked
+            for ignored rows), or None (a given ``loss_fn``: labels as given).
     """
 
-    counts_tokens: bool = False
+    counts_tokens: HFLoss | None = None
+
+    @property
+    def input_keys(self) -> tuple[str, ...]:
+        """The keyword inputs this model's batch takes."""
+        return _ENCODER_KEYS if is_encoder(self.functional.module) else _KEYS
 
     def batch(self, inputs: Any, targets: Any = None) -> tuple[torch.Tensor, Any]:
         """``(packed inputs, targets)`` of a batch given as HF's keyword inputs.
@@ -281,22 +229,32 @@ class HFPipelineModel(TiedPipelineModel):
         Example:
             >>> x, y = pp.batch({"input_ids": ids, "labels": ids})
         """
-        if isinstance(inputs, Mapping):
-            unknown = sorted(set(inputs) - set(_KEYS))
-            if unknown:
-                raise ValueError(f"pipeline batch: unknown keys {unknown}; the pipeline of a "
-                                 f"Hugging Face model takes {list(_KEYS)}")
-            if "labels" in inputs and targets is not None:
-                raise ValueError("pipeline batch: labels given twice (in the batch and as "
-                                 "targets)")
-            targets = inputs.get("labels", targets)
-            inputs = pack_inputs(inputs.get("input_ids"), inputs.get("attention_mask"),
-                                 inputs.get("position_ids"))
-        else:
-            inputs = pack_inputs(inputs)
-        if targets is not None and self.counts_tokens:
-            targets = pack_labels(targets)
-        return inputs, targets
+        encoder = is_encoder(self.functional.module)
+        if not isinstance(inputs, Mapping):
+            inputs = {"input_ids": inputs}
+        unknown = sorted(set(inputs) - set(self.input_keys))
+        if unknown:
+            raise ValueError(f"pipeline batch: unknown keys {unknown}; the pipeline of "
+                             f"{type(self.functional.module).__name__} takes "
+                             f"{list(self.input_keys)}")
+        if "labels" in inputs and targets is not None:
+            raise ValueError("pipeline batch: labels given twice (in the batch and as targets)")
+        targets = inputs.get("labels", targets)
+        ids = inputs.get("input_ids")
+        types = inputs.get("token_type_ids")
+        if encoder and types is None and isinstance(ids, torch.Tensor):
+            types = torch.zeros_like(ids)  # BERT's default segment: 0
+        packed = pack_inputs(ids, inputs.get("attention_mask"), inputs.get("position_ids"),
+                             types)
+        if targets is not None and self.counts_tokens in ("causal_lm", "masked_lm"):
+            targets = pack_labels(targets, shift=self.counts_tokens == "causal_lm")
+        if targets is not None and self.counts_tokens == "sequence_classification" and \
+                not targets.is_floating_point() and bool((targets < 0).any()):
+            raise ValueError("pipeline batch: sequence-classification labels with ignored rows "
+                             "(-100): HF's loss is the mean over the kept rows, which the "
+                             "pipeline's row weighting of micro-batches would not give; "
+                             "drop those rows")
+        return packed, targets
 
     def value_and_grad(self, params: Mapping[str, torch.Tensor], inputs: Any,
                        targets: Any = None, *, report: bool = False, mutable: bool = False

@@ -12,6 +12,9 @@ transforms: split first, transform each stage, then pipeline the stage models.
 Stage ``s``'s model is ``sf.functional`` of an ``nn.Sequential`` of its units under
 their indices in the whole model, so its leaves keep the full model's names
 (``"3.fc1.weight"``) and its ``init`` gives exactly those leaves of the full model's.
+Units cut from a model (a Hugging Face model, :class:`~.stage.ModelUnits`) or sharing a
+weight across stages get the model's tree cut down to the stage instead
+(:func:`~.named_stage.named_stage_module`): the same names, init and paths as the model.
 ``pipeline_stages`` finds the split again from the stage models' ``functional``
 (:func:`find_split`): each must be the matching stage of one split, in stage order.
 
@@ -33,6 +36,8 @@ from torch import nn
 from shardfn.functional import FunctionalModel, functional
 from shardfn.mesh import Mesh
 from shardfn.transforms.pipeline.balance import BalanceBy
+from shardfn.transforms.pipeline.hf_units import hf_units, is_pretrained
+from shardfn.transforms.pipeline.named_stage import named_stage_module
 from shardfn.transforms.pipeline.pipeline_model import PipelineModel
 from shardfn.transforms.pipeline.stage import (
     ModelUnits,
@@ -57,6 +62,8 @@ class PipelineSplit(Sequence[FunctionalModel]):
         balance: units per stage.
         models: stage ``s``'s FunctionalModel (also ``split[s]``).
         unit_leaves: per unit, its leaf name -> the full name (:func:`~.stage.unit_leaf_names`).
+        hf: cut from a Hugging Face model (:func:`~.hf_units.hf_units`): its pipeline takes
+            HF's inputs and loss.
     """
 
     full: FunctionalModel
@@ -64,6 +71,7 @@ class PipelineSplit(Sequence[FunctionalModel]):
     balance: tuple[int, ...]
     models: tuple[FunctionalModel, ...]
     unit_leaves: tuple[Mapping[str, str], ...] = ()
+    hf: bool = False
 
     @property
     def named_by_root(self) -> bool:
@@ -109,6 +117,7 @@ class _Origin(NamedTuple):
     balance: tuple[int, ...]
     index: int
     unit_leaves: tuple[Mapping[str, str], ...] = ()
+    hf: bool = False
 
 
 #: stage FunctionalModel -> its origin: how ``pipeline_stages`` finds the split of the
@@ -116,7 +125,7 @@ class _Origin(NamedTuple):
 _ORIGINS: weakref.WeakKeyDictionary[FunctionalModel, _Origin] = weakref.WeakKeyDictionary()
 
 
-def pipeline_split(model: nn.Sequential | Sequence[nn.Module] | ModelUnits,
+def pipeline_split(model: nn.Sequential | Sequence[nn.Module] | ModelUnits | nn.Module,
                    balance: Sequence[int] | BalanceBy, *, n_stages: int | None = None,
                    sample: Any = None, mesh: Mesh | None = None) -> PipelineSplit:
     """Split ``model``'s units into per-stage functional models, to transform one by one.
@@ -128,9 +137,10 @@ def pipeline_split(model: nn.Sequential | Sequence[nn.Module] | ModelUnits,
 
     Args:
         model: an ``nn.Sequential`` (its children are the units) or a list of modules;
-            or :class:`~.stage.ModelUnits` (units cut from a model, keeping its leaf names:
-            their stage models are only for ``pipeline_stages`` to run plain, not to
-            transform yet).
+            or :class:`~.stage.ModelUnits` (units cut from a model, keeping its leaf names);
+            or a Hugging Face causal LM (cut by :func:`~.hf_units.hf_units`; stage ``s`` is
+            then named, initialised and planned like the HF model: ``shard_params``' default
+            units, ``tensor_split(plan="auto")``).
         balance: units per stage (positive counts summing to the number of units), or
             ``"params"`` / ``"time"`` (by parameter count / measured time on ``sample``,
             with ``n_stages``).
@@ -142,7 +152,7 @@ def pipeline_split(model: nn.Sequential | Sequence[nn.Module] | ModelUnits,
     Returns:
         A :class:`PipelineSplit`: ``split[s]`` is ``sf.functional`` of stage ``s``'s units,
         named as in the full model, with that slice of its ``init``; ``split.full`` is
-        the unsplit model.
+        the unsplit model. A weight tied across stages is a leaf of every stage using it.
 
     Raises:
         TypeError / ValueError: not units, a bad balance (naming what would be valid).
@@ -150,8 +160,10 @@ def pipeline_split(model: nn.Sequential | Sequence[nn.Module] | ModelUnits,
     Example:
         >>> split = sf.pipeline_split([nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)], [2, 1])
         >>> [sf.with_precision(s, sf.Precision(torch.bfloat16)) for s in split]
+        >>> [sf.shard_params(s, stage_mesh, "dp") for s in sf.pipeline_split(llama, [2, 3])]
     """
-    given = model_units(model, "pipeline_split")
+    hf = is_pretrained(model)
+    given = hf_units(model) if hf else model_units(model, "pipeline_split")
     units = given.units
     if n_stages is None:
         if isinstance(balance, str):
@@ -160,11 +172,17 @@ def pipeline_split(model: nn.Sequential | Sequence[nn.Module] | ModelUnits,
         n_stages = len(balance) if isinstance(balance, Sequence) else 0
     counts = resolve_balance(balance, units, n_stages, sample, mesh)
     planned = plan_stages(given, counts, 1)
-    models = tuple(functional(stage_module(units, stage)) for stage in planned.stages)
+    split = PipelineSplit(planned.full, planned.unit_models, counts, (), planned.unit_leaves, hf)
+    if split.named_by_root or split.tied_across():  # the root's tree, cut to each stage
+        modules = [named_stage_module(given, stage.units, stage.names, planned.full.owners)
+                   for stage in planned.stages]
+    else:
+        modules = [stage_module(units, stage) for stage in planned.stages]
+    models = tuple(functional(module) for module in modules)
     for index, stage_model in enumerate(models):
         _ORIGINS[stage_model] = _Origin(planned.full, planned.unit_models, counts, index,
-                                        planned.unit_leaves)
-    return PipelineSplit(planned.full, planned.unit_models, counts, models, planned.unit_leaves)
+                                        planned.unit_leaves, hf)
+    return dataclasses.replace(split, models=models)
 
 
 def functional_of(model: Any) -> Any:
@@ -246,7 +264,7 @@ def find_split(models: Sequence[Any]) -> PipelineSplit:
                          f"{len(first.balance)} stages (balance {list(first.balance)}): give "
                          "one model per stage")
     return PipelineSplit(first.full, first.unit_models, first.balance,
-                         tuple(fmodel for _, fmodel in origins), first.unit_leaves)
+                         tuple(fmodel for _, fmodel in origins), first.unit_leaves, first.hf)
 
 
 def _units(origin: _Origin) -> list[int]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -35,6 +35,7 @@ from shardfn.functional import FunctionalModel, functional
 from shardfn.mesh import Mesh
 from shardfn.primitives import _comm
 from shardfn.primitives._comm import resolve
+from shardfn.transforms.pipeline.batch import call_unit
 from shardfn.transforms.pipeline.schedules import stage_rank
 
 __all__ = ["ModelUnits", "Stage", "StagePlan", "as_units", "check_balance", "model_units",
@@ -73,6 +74,9 @@ class StagePlan:
         n_ranks: pp ranks.
         unit_leaves: per unit, its leaf name -> the root's leaf name (empty: plain units,
             unit ``u``'s ``"w"`` is ``"u.w"``).
+        tied_shapes: a leaf several stages hold -> its local shape where their stage models
+            shard it (what a rank holding none of its copies adds to the gradient sum,
+            :mod:`.ties`); absent: the full shape.
     """
 
     full: FunctionalModel
@@ -80,6 +84,7 @@ class StagePlan:
     stages: tuple[Stage, ...]
     n_ranks: int
     unit_leaves: tuple[Mapping[str, str], ...] = ()
+    tied_shapes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def leaf_map(self, unit: int) -> Mapping[str, str]:
         """Unit ``unit``'s leaf name -> its name in the full tree."""
@@ -120,19 +125,25 @@ class StagePlan:
                 rank_of.setdefault(name, stage.rank)
         return {name: rank_of[name] for name in self.full.names}
 
-    def init(self, seed: int, rank: int, device: torch.device | str | None = None) -> Params:
-        """The leaves of pp rank ``rank``'s stages, equal to those of ``full.init(seed)``
-        (each built by its owning submodule of the root, under that path's seed)."""
-        names = [n for stage in self.on_rank(rank) for n in stage.names]
+    def init(self, seed: int, rank: int, device: torch.device | str | None = None,
+             stages: Collection[int] | None = None) -> Params:
+        """The leaves of pp rank ``rank``'s stages (those in ``stages`` if given), equal to
+        those of ``full.init(seed)`` (each built by its owning submodule of the root, under
+        that path's seed)."""
+        names = [n for stage in self.on_rank(rank) for n in stage.names
+                 if stages is None or stage.index in stages]
+        if not names:
+            return {}
         paths = sorted({self.full.owners[n] for n in names})
         found = self.full.init_subset(seed, paths, device=device)
         return {n: found[n] for n in self.full.names if n in set(names)}
 
     def forward(self, stage: Stage, params: Mapping[str, torch.Tensor], x: Any) -> Any:
         """Run ``stage``'s units on ``x`` with ``params`` (at least the stage's leaves)."""
-        for unit in stage.units:
+        for unit in stage.units:  # stage 0's first unit: a UnitInputs' arguments spread
             names = self.leaf_map(unit)
-            x = self.unit_models[unit].apply({name: params[names[name]] for name in names}, x)
+            x = call_unit(self.unit_models[unit].apply,
+                          {name: params[names[name]] for name in names}, x)
         return x
 
     def stage_forward(self, stage: Stage) -> Callable[[Mapping[str, torch.Tensor], Any], Any]:
@@ -150,18 +161,30 @@ class StagePlan:
         buffers: Params = {}
         for unit in stage.units:
             names = self.leaf_map(unit)
-            x, new = self.unit_models[unit].apply({name: params[names[name]] for name in names},
-                                                  x, mutable=True)
+            x, new = call_unit(self.unit_models[unit].apply,
+                               {name: params[names[name]] for name in names}, x, mutable=True)
             buffers.update({names[name]: t.detach() for name, t in new.items()})
         return x, buffers
 
 
+class UnitSequence(nn.Sequential):
+    """An ``nn.Sequential`` whose first unit takes every positional and keyword input (a
+    pipeline's several inputs per micro-batch), the rest one value each, in turn."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        first, *rest = self
+        x = first(*args, **kwargs)
+        for unit in rest:
+            x = unit(x)
+        return x
+
+
 def stage_module(units: Sequence[nn.Module], stage: Stage) -> nn.Sequential:
-    """An ``nn.Sequential`` of ``stage``'s units under their full-model indices, so its
+    """A :class:`UnitSequence` of ``stage``'s units under their full-model indices, so its
     leaves have the full tree's names (``"3.weight"``) and ``sf.functional`` of it
     initialises them as the full model's ``init`` does (same submodule paths, same seeds).
     """
-    return nn.Sequential(OrderedDict((str(u), units[u]) for u in stage.units))
+    return UnitSequence(OrderedDict((str(u), units[u]) for u in stage.units))
 
 
 def as_units(model: nn.Module | Sequence[nn.Module], what: str = "pipeline_stages"

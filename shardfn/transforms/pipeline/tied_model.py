@@ -43,11 +43,18 @@ class TiedPipelineModel(PipelineModel):
     def init(self, seed: int, device: torch.device | str | None = None) -> Params:
         """This rank's leaves, equal to ``self.shard(self.functional.init(seed))``.
 
+        Plain stages build their leaves from the root's submodules; a stage model (named
+        as the root, :mod:`.named_stage`) initialises its own (``shard_params``: this
+        rank's shards), a tied leaf on every holder alike.
+
         Example:
             >>> sorted(pp.init(0)) == sorted(pp.names)
             True
         """
-        leaves = self.plan.stages.init(seed, self.rank, device=device)
+        plain = {stage.index for stage in self.stages if stage.index not in self.stage_models}
+        leaves = self.plan.stages.init(seed, self.rank, device=device, stages=plain)
+        for model in self.stage_models.values():
+            leaves.update(model.init(seed) if device is None else model.init(seed, device))
         return {name: leaves[name] for name in self.names}
 
     def gather(self, tree: Mapping[str, torch.Tensor]) -> Params:

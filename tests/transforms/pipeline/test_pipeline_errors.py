@@ -66,16 +66,28 @@ def test_bad_balance_types_and_names():
         _make([2, 3], virtual=2, shapes=[(1, 8)] * 3)
 
 
-def test_tied_weights_across_stages_with_stage_models_are_refused():
-    """A weight tied across units is held by every stage using it (tests/hf/test_hf_pipeline.py
-    shows it equal to the unsplit model); with stage models (a stage_transform) those would
-    not carry the tie: refused when built."""
+def test_tied_weights_across_stages_with_stage_models_hold_the_tie():
+    """A weight tied across units is held by every stage using it, also when the stages are
+    stage models (a stage_transform): the loss and the summed gradient are the unsplit
+    model's (tests/hf/test_hf_pipeline_stage_models.py: ties under ZeRO-3 over dp)."""
     first, last = nn.Linear(3, 3), nn.Linear(3, 3)
     last.weight = first.weight
     mesh = sf.Mesh({"pp": 1, "dp": 1})
-    with pytest.raises(ValueError, match="stage models are not supported there yet"):
-        pipeline_stages([first, last], mesh, "pp", balance=[2], microbatches=1, loss_fn=mse,
-                        stage_transform=lambda fm, m: sf.shard_params(fm, m, "dp"))
+    pp = pipeline_stages([first, last], mesh, "pp", balance=[1, 1], virtual=2,
+                         schedule="gpipe", microbatches=1, loss_fn=mse,
+                         stage_transform=lambda fm, m: sf.shard_params(fm, m, "dp"))
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    full = sf.functional(nn.Sequential(first, last))
+    params = pp.init(0)
+    assert all(torch.equal(t, full.init(0)[n]) for n, t in pp.gather(params).items())
+    want, want_loss = torch.func.grad_and_value(lambda p: mse(full.apply(p, x), y))(
+        full.init(0))
+    loss, grads = pp.value_and_grad(params, x, y)
+    torch.testing.assert_close(loss, want_loss)
+    got = pp.gather(grads)
+    assert sorted(got) == sorted(want) == ["0.bias", "0.weight", "1.bias"]
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=name)
 
 
 def test_bad_calls():
