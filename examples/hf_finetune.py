@@ -1,0 +1,375 @@
+"""Fine-tune a small Hugging Face Llama with shardfn: FSDP x TP, resume on fewer ranks, export.
+
+Three phases (``--phase all`` runs them in turn; docs/huggingface.md walks through them):
+
+1. **finetune**, on ``dp x tp`` ranks: a tiny Llama built from its config (GQA: 8 heads,
+   4 key/value heads; random init, standing in for ``from_pretrained``) trains on a
+   character corpus with FSDP x TP, ``sf.shard_params(sf.tensor_split(fm, mesh, "tp",
+   plan), mesh, "dp")``: the model's own TP plan with a vocab-parallel head and
+   ``sf.vocab_parallel_causal_lm_loss``. After ``--steps // 2`` AdamW steps every rank
+   writes its shards to a checkpoint (``sf.checkpoint.save``: the trainable leaves, the
+   AdamW state, the step); the run then goes on to ``--steps``, only to be compared with.
+2. **resume**, on ``--resume-ranks`` ranks (a new job): plain FSDP (ZeRO-3,
+   ``sf.shard_params(sf.functional(hf), mesh, "dp")``) loads the checkpoint, every leaf
+   and AdamW moment resharded, and trains to ``--steps`` with HF's own loss (``labels=``).
+3. **export**: ``sf.checkpoint.save_pretrained`` writes the ZeRO-3 leaves as a Hugging
+   Face directory; ``AutoModelForCausalLM.from_pretrained`` loads it; ``generate()``
+   continues a prompt greedily, to a newline (the end-of-sequence token) or 24 characters.
+
+Checked on the way (a failed check ends the run with the numbers): the loaded weights
+are the saved ones bit for bit; the resumed losses equal those of the run that stayed on
+``dp x tp`` ranks (to float32 round-off); ``from_pretrained`` reports no missing or
+unexpected key, and its logits equal the gathered leaves'; ``generate()`` gives the
+tokens of an argmax loop over the gathered leaves. ``DIR/summary.json`` holds the losses
+and the checks; ``DIR/checkpoint`` the sharded checkpoint, ``DIR/hf`` the export,
+``DIR/finetune.pt`` what phase 1 hands to phase 2 for the checks.
+
+Run: python examples/hf_finetune.py [--dp 2] [--tp 2] [--resume-ranks 2] [--steps 100]
+     torchrun --nproc-per-node 4 examples/hf_finetune.py [--steps 100] [--out DIR]
+Locally each phase gets a world of CPU processes of its own size. Under torchrun the
+script joins the launched world (``sf.distributed.initialize()``; rank 0 prints) and
+``--phase all`` resumes on that same world: ``sf.checkpoint`` saves and loads with every
+rank of the world, so resuming on fewer ranks is a second launch:
+     torchrun --nproc-per-node 4 examples/hf_finetune.py --phase finetune --out DIR
+     torchrun --nproc-per-node 2 examples/hf_finetune.py --phase resume --out DIR
+``--out`` must be a directory every rank sees (default: shardfn-hf-finetune in the
+temporary directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+import warnings
+from typing import Any, Literal, NamedTuple
+
+import torch
+import transformers
+
+import shardfn as sf
+
+#: the characters the model knows: newline and printable ASCII (96: splits over tp 1, 2, 4)
+VOCAB = "\n" + "".join(chr(c) for c in range(32, 127))
+CORPUS = """\
+shardfn is a functional sharding library for PyTorch. Parameters are pytrees, a training
+step is a pure function, and every collective is explicit and differentiable. A sharded
+computation gives the same result as the same function on one process with the whole
+batch. The same code runs on a laptop with local CPU processes and under torchrun.
+"""
+BATCH, SEQ, KV_HEADS = 8, 32, 4
+Phase = Literal["all", "finetune", "resume"]
+
+
+class Job(NamedTuple):
+    """What every rank runs: the command line, checked.
+
+    Attributes:
+        dp, tp: the fine-tune's mesh ``{"dp": dp, "tp": tp}``.
+        resume_ranks: the plain FSDP run's world size.
+        steps: AdamW steps in all; the checkpoint is written after ``steps // 2``.
+        lr: AdamW's learning rate.
+        out: the directory of the checkpoint, the export and the summary.
+    """
+
+    dp: int
+    tp: int
+    resume_ranks: int
+    steps: int
+    lr: float
+    out: str
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.out, name)
+
+
+def _rank() -> int:
+    """This process's rank (0 in a world of one, which has no process group)."""
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def say(text: str) -> None:
+    if _rank() == 0:
+        print(text, flush=True)
+
+
+def encode(text: str) -> torch.Tensor:
+    return torch.tensor([VOCAB.index(c) for c in text])
+
+
+def decode(ids) -> str:
+    return "".join(VOCAB[int(i)] for i in ids)
+
+
+def build_llama() -> torch.nn.Module:
+    """The tiny Llama, the same in every process (seeded; no download)."""
+    config = transformers.LlamaConfig(vocab_size=len(VOCAB), hidden_size=64,
+                                      intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=KV_HEADS,
+                                      max_position_embeddings=2 * SEQ, bos_token_id=None,
+                                      eos_token_id=VOCAB.index("\n"))
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def global_batch(step: int) -> torch.Tensor:
+    """Step ``step``'s batch: ``BATCH`` windows of ``SEQ`` characters, the same on every rank."""
+    data = encode(CORPUS)
+    gen = torch.Generator().manual_seed(step)
+    starts = torch.randint(0, data.numel() - SEQ, (BATCH,), generator=gen).tolist()
+    return torch.stack([data[s:s + SEQ] for s in starts])
+
+
+def make_optimizer(job: Job):
+    """AdamW, as ``torch.optim.AdamW(lr, eps=1e-6, weight_decay=0.01)``. (eps 1e-6, not 1e-8: an
+    element whose gradient is at round-off level would otherwise step by about ``lr`` in
+    a direction the round-off picks, and two summation orders would part after a step.)"""
+    return sf.optim.adamw(job.lr, eps=1e-6, weight_decay=0.01)
+
+
+def train(model, trainable, rest, opt, opt_state, steps: range, loss_of, label: str):
+    """AdamW ``steps`` on this rank's shards; each dp rank takes its part of the batch.
+
+    Returns:
+        ``(trainable, opt_state, losses)``: the whole batch's loss at each step.
+    """
+    mesh, losses = model.mesh, []
+    grad_and_loss = torch.func.grad_and_value(
+        lambda t, ids: loss_of(model.merge(t, rest), ids))   # gradients averaged over dp
+    for step in steps:
+        ids = global_batch(step).chunk(mesh.size("dp"))[mesh.index("dp")].to(mesh.device)
+        grads, loss = grad_and_loss(trainable, ids)
+        updates, opt_state = opt.update(grads, opt_state, trainable)
+        trainable = sf.optim.apply_updates(trainable, updates)
+        losses.append(float(sf.pmean(loss.detach(), "dp", mesh=mesh)))
+        say(f"  {label} step {step + 1:>3}/{steps.stop}  loss {losses[-1]:.4f}")
+    return trainable, opt_state, losses
+
+
+def _cpu(tree: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: value.detach().cpu() for name, value in tree.items()}
+
+
+def finetune(job: Job) -> None:
+    """Phase 1, on every rank of a ``dp x tp`` world: FSDP x TP, a checkpoint halfway."""
+    llama = build_llama()
+    mesh = sf.Mesh({"dp": job.dp, "tp": job.tp})
+    plan = {**sf.hf_tp_plan(llama), "lm_head": "colwise"}   # logits split over the vocabulary
+    model = sf.shard_params(sf.tensor_split(sf.functional(llama), mesh, "tp", plan), mesh, "dp")
+    trainable, rest = model.split_trainable(model.params_from(llama))
+
+    def loss_of(params, ids):
+        local_logits = model.apply(params, input_ids=ids).logits
+        return sf.vocab_parallel_causal_lm_loss(local_logits, ids, "tp", mesh=mesh)
+
+    opt, half = make_optimizer(job), job.steps // 2
+    opt_state = opt.init(trainable)
+    say(f"phase 1: finetune with FSDP x TP on {job.dp * job.tp} ranks "
+        f"(dp={job.dp} x tp={job.tp})")
+    trainable, opt_state, losses = train(model, trainable, rest, opt, opt_state, range(half),
+                                         loss_of, "finetune")
+    path = sf.checkpoint.save(job.path("checkpoint"),   # this run's: replaces an earlier one
+                              {"params": trainable, "opt": opt_state, "step": half}, mesh,
+                              {"params": model, "opt": opt}, overwrite=True)
+    say(f"  checkpoint: {path}")
+    saved = _cpu(model.gather(trainable))
+    _, _, stayed = train(model, trainable, rest, opt, opt_state, range(half, job.steps),
+                         loss_of, "(staying, for the check)")
+    if _rank() == 0:   # what the resume checks against
+        torch.save({"job": list(job), "losses": losses, "stayed": stayed, "saved": saved,
+                    "checkpoint": path}, job.path("finetune.pt"))
+
+
+def resume(job: Job) -> dict[str, Any] | None:
+    """Phase 2, on every rank of a ``resume_ranks`` world: plain FSDP loads and trains on.
+
+    Returns:
+        On rank 0: the resumed losses, the loaded and final leaves (gathered), the step.
+    """
+    llama = build_llama()
+    mesh = sf.Mesh({"dp": job.resume_ranks})
+    model = sf.shard_params(sf.functional(llama), mesh, "dp")
+    opt = make_optimizer(job)
+    trainable, rest = model.split_trainable(model.init(1))   # overwritten by the load
+    like = {"params": trainable, "opt": opt.init(trainable), "step": 0}
+    path = job.path("checkpoint")
+    say(f"phase 2: resume from {path} with plain FSDP on {job.resume_ranks} ranks")
+    state = sf.checkpoint.load(path, like, mesh, {"params": model, "opt": opt})
+
+    def loss_of(params, ids):
+        return model.apply(params, input_ids=ids, labels=ids).loss
+
+    trainable, _, losses = train(model, state["params"], rest, opt, state["opt"],
+                                 range(state["step"], job.steps), loss_of, "resume")
+    sf.checkpoint.save_pretrained(job.path("hf"), model, model.merge(trainable, rest))
+    loaded, final = _cpu(model.gather(state["params"])), _cpu(model.gather(trainable))
+    if _rank() != 0:
+        return None
+    return {"losses": losses, "loaded": loaded, "final": final, "step": state["step"]}
+
+
+def export_and_generate(job: Job, final: dict[str, torch.Tensor], prompt: str = "shardfn is",
+                        new_tokens: int = 24) -> dict[str, Any]:
+    """Phase 3, in one process: ``from_pretrained`` the export, compare, ``generate()``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+            job.path("hf"), output_loading_info=True)
+    llama = build_llama()
+    fm = sf.functional(llama)
+    trained = {**fm.params_from(llama), **final}   # llama's buffers, the trained weights
+    ids = encode(prompt)[None]
+    with torch.no_grad():
+        got, want = reloaded(ids).logits, fm.apply(trained, input_ids=ids).logits
+        tokens = reloaded.generate(ids, max_new_tokens=new_tokens, do_sample=False,
+                                   pad_token_id=llama.config.eos_token_id)
+        greedy = ids
+        for _ in range(new_tokens):   # argmax over the gathered leaves (no KV cache), to EOS
+            step_logits = fm.apply(trained, input_ids=greedy).logits[:, -1]
+            greedy = torch.cat([greedy, step_logits.argmax(-1, keepdim=True)], dim=1)
+            if int(greedy[0, -1]) == llama.config.eos_token_id:
+                break
+    return {"loading_info": {k: [str(x) for x in v] for k, v in info.items() if v},
+            "export_logits_max_abs_diff": float((got - want).abs().max()),
+            "generate_equals_greedy": torch.equal(tokens, greedy),
+            "sample": decode(tokens[0])}
+
+
+def report(job: Job, resumed: dict[str, Any]) -> dict[str, Any]:
+    """Phase 3 and the checks; writes ``summary.json`` (SystemExit naming what failed)."""
+    first = torch.load(job.path("finetune.pt"), weights_only=True)
+    saved, loaded = first["saved"], resumed["loaded"]
+    saved_equal = saved.keys() == loaded.keys() and all(
+        torch.equal(loaded[name], value) for name, value in saved.items())
+    stayed = torch.tensor(first["stayed"], dtype=torch.float64)
+    got = torch.tensor(resumed["losses"], dtype=torch.float64)
+    rel = float(((got - stayed).abs() / stayed.abs()).max())
+    say(f"phase 3: save_pretrained -> from_pretrained -> generate()  ({job.path('hf')})")
+    summary = {"finetune_mesh": {"dp": job.dp, "tp": job.tp},
+               "resume_ranks": job.resume_ranks, "steps": job.steps,
+               "checkpoint": first["checkpoint"], "checkpoint_step": resumed["step"],
+               "losses": {"finetune": first["losses"], "stayed": first["stayed"],
+                          "resumed": resumed["losses"]},
+               "loaded_equals_saved": saved_equal, "resumed_vs_stayed_max_rel_diff": rel,
+               **export_and_generate(job, resumed["final"]), "export": job.path("hf")}
+    failures = []
+    if not saved_equal:
+        failures.append("the loaded weights differ from the saved ones")
+    if rel > 1e-4:   # float32 sums over ranks in another order, carried a few steps
+        failures.append(f"the resumed losses {resumed['losses']} are {rel:.1e} (relative) "
+                        f"from the stayed run's {first['stayed']}; allowed 1e-4")
+    if summary["loading_info"]:
+        failures.append(f"from_pretrained reported {summary['loading_info']}")
+    if summary["export_logits_max_abs_diff"] > 1e-5:
+        failures.append(f"the reloaded logits are {summary['export_logits_max_abs_diff']:.1e}"
+                        " from the gathered leaves'")
+    if not summary["generate_equals_greedy"]:
+        failures.append("generate() differs from an argmax loop over the gathered leaves")
+    summary["failures"] = failures
+    with open(job.path("summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    losses = summary["losses"]
+    print(f"\nfinetune loss {losses['finetune'][0]:.4f} -> {losses['finetune'][-1]:.4f}; "
+          f"resumed -> {losses['resumed'][-1]:.4f}")
+    print(f"loaded weights equal the saved ones: {'OK' if saved_equal else 'FAILED'}")
+    print(f"resumed losses vs staying on {job.dp * job.tp} ranks: {rel:.1e} relative")
+    print(f"from_pretrained: logits {summary['export_logits_max_abs_diff']:.1e} from the "
+          f"gathered leaves'; generate() = argmax loop: {summary['generate_equals_greedy']}")
+    print(f"sample: {summary['sample']!r}")
+    print(f"summary: {job.path('summary.json')}")
+    if failures:
+        raise SystemExit("FAILED: " + "; ".join(failures))
+    return summary
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--phase", choices=("all", "finetune", "resume"), default="all")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="the fine-tune's world size, dp x tp (under torchrun: its world "
+                             "size)")
+    parser.add_argument("--dp", type=int, default=None,
+                        help="the fine-tune's FSDP axis (default: ranks / tp)")
+    parser.add_argument("--tp", type=int, default=2,
+                        help=f"the fine-tune's TP axis (divides the {KV_HEADS} key/value heads)")
+    parser.add_argument("--resume-ranks", type=int, default=None,
+                        help="the resume's world size (default 2; under torchrun: its world "
+                             "size)")
+    parser.add_argument("--steps", type=int, default=100, help="AdamW steps in all (>= 2)")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--out", default=None, help="checkpoint, export and summary.json "
+                        "(default: shardfn-hf-finetune in the temporary directory)")
+    return parser.parse_args(argv)
+
+
+def make_job(args: argparse.Namespace, launched: int | None) -> Job:
+    """Check the command line (``launched``: torchrun's world size, or None)."""
+    phase: Phase = args.phase
+    ranks = args.ranks or (launched if launched and phase != "resume" else None)
+    if launched and args.ranks is not None and args.ranks != launched and phase != "resume":
+        raise SystemExit(f"--ranks {args.ranks} but torchrun started {launched} processes")
+    dp = args.dp or (ranks // args.tp if ranks else 2)
+    if ranks is not None and dp * args.tp != ranks:
+        raise SystemExit(f"--dp {dp} x --tp {args.tp} must equal the fine-tune's world size "
+                         f"{ranks}")
+    resume_ranks = args.resume_ranks or (launched if launched else 2)
+    if launched and phase != "finetune" and resume_ranks != launched:
+        raise SystemExit(f"--resume-ranks {resume_ranks} but torchrun started {launched} "
+                         "processes: sf.checkpoint loads with every rank of the world, so "
+                         "resuming on fewer ranks is a second launch of that size with "
+                         "--phase resume")
+    for name, size in (("--dp", dp), ("--tp", args.tp), ("--resume-ranks", resume_ranks)):
+        if size < 1 or (name != "--tp" and BATCH % size):
+            raise SystemExit(f"{name} {size} must divide the batch of {BATCH} sequences")
+    if args.steps < 2:
+        raise SystemExit(f"--steps {args.steps}: at least 2 (a checkpoint after half)")
+    out = os.path.abspath(args.out or os.path.join(tempfile.gettempdir(),
+                                                   "shardfn-hf-finetune"))
+    job = Job(dp, args.tp, resume_ranks, args.steps, args.lr, out)
+    if phase == "resume":   # the fine-tune's mesh and steps are the ones it ran with
+        if not os.path.exists(job.path("finetune.pt")):
+            raise SystemExit(f"--phase resume: no {job.path('finetune.pt')}; run --phase "
+                             "finetune with the same --out first")
+        done = Job(*torch.load(job.path("finetune.pt"), weights_only=True)["job"])
+        job = job._replace(dp=done.dp, tp=done.tp, steps=done.steps, lr=done.lr)
+    return job
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    start, rank = time.perf_counter(), 0
+    if sf.distributed.launch_environment() is not None:
+        info = sf.distributed.initialize()
+        rank = info.rank
+        job = make_job(args, info.world_size)
+        say(f"joined a torchrun world of {info.world_size} processes ({info.backend}, "
+            f"{info.device})")
+        if args.phase in ("all", "finetune"):
+            finetune(job)
+        resumed = resume(job) if args.phase in ("all", "resume") else None
+        sf.distributed.shutdown()
+    else:
+        job = make_job(args, None)
+        resumed = None
+        if args.phase in ("all", "finetune"):
+            print(f"starting a local world of {job.dp * job.tp} CPU processes (gloo) ...",
+                  flush=True)
+            with sf.testing.local_world(job.dp * job.tp, timeout=600) as world:
+                world.run(finetune, job)
+        if args.phase in ("all", "resume"):
+            print(f"starting a new local world of {job.resume_ranks} CPU processes ...",
+                  flush=True)
+            with sf.testing.local_world(job.resume_ranks, timeout=600) as world:
+                resumed = world.run(resume, job)[0]
+    if resumed is not None:
+        report(job, resumed)
+    if rank == 0:
+        print(f"done in {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
