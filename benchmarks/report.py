@@ -49,6 +49,8 @@ BENCHES = (
     Bench("pp", "Pipeline parallel against torch.distributed.pipelining", "bench_pp.py",
           ("--img-dir", IMG)),
     Bench("ckpt", "Checkpoints against torch DCP with FSDP2", "bench_ckpt.py", ()),
+    Bench("hf", "A Hugging Face Llama: ZeRO-3, TP from plan='auto' and a pipeline against "
+          "torch's own", "bench_hf.py", ()),
 )
 
 
@@ -86,6 +88,24 @@ TARGETS = (
            "ratio sf/torch", "<=", 1.0),
     Target("ckpt", "sf.checkpoint async save blocks less than a fresh staging copy "
            "(by 10% at least)", "async save, blocking", "ratio async/copy", "<=", 0.9),
+    *(Target("hf", f"HF Llama {what} no slower than {peer}", row, "ratio sf/torch", "<=", 1.0)
+      for what, peer, row in (
+          ("ZeRO-3 (shard_params)", "FSDP2 fully_shard", "shard_params"),
+          ("TP (tensor_split plan='auto', autograd step)", "parallelize_module",
+           "plan='auto'); autograd"),
+          ("TP (tensor_split plan='auto', torch.func step)", "parallelize_module",
+           "plan='auto'); torch.func"),
+          ("pipeline (pipeline_stages 1F1B)", "torch pipelining Schedule1F1B",
+           "pipeline_stages"))),
+    # "same bytes per rank" (#24): no more than the peer's; 1% for the pipeline's message
+    # headers and padding
+    *(Target("hf", f"HF Llama {what}: bytes sent per rank per step no more than {peer}'s",
+             row, "sent ratio", "<=", 1.01)
+      for what, peer, row in (("ZeRO-3", "FSDP2", "shard_params"),
+                              ("TP", "parallelize_module", "tensor_split"),
+                              ("pipeline", "torch pipelining", "pipeline_stages"))),
+    Target("hf", "HF Llama: memory per rank (params + grads + optimizer state) no more than "
+           "the peer's, every comparison", "shardfn", "memory ratio", "<=", 1.01),
 )
 
 
