@@ -17,11 +17,10 @@ knows how a subtree is laid out over the mesh. A source may be
 * :class:`PerRank` (each rank's own value, e.g. a per-rank RNG state) or
   :class:`Skip` (not saved; ``load`` keeps the value of ``like``).
 
-Every tensor is stored as its global tensor under a dotted key (NamedTuple
-fields by name). A ``ShardedOptState`` is stored under the names of its inner
-state, as the unsharded optimizer's state would be (its partition record is
-not saved: it describes the mesh, not the training), so a ZeRO-1 state loads
-into ZeRO-3 or one process and back.
+Every tensor is stored as its global tensor under a dotted key (NamedTuple fields by
+name). A ``ShardedOptState`` is stored under its inner state's names, as the unsharded
+optimizer's state would be (its partition record describes the mesh, not the training,
+and is not saved), so a ZeRO-1 state loads into ZeRO-3 or one process and back.
 
 Example:
     >>> entries = resolve(state, {"params": model, "opt": opt}, mesh)
@@ -76,11 +75,9 @@ class Entry(NamedTuple):
     """One state leaf as the checkpoint sees it, on this rank.
 
     Attributes:
-        name: the leaf's dotted path in the state tree (for messages).
-        key: the checkpoint key (None: not saved).
+        name, key: the leaf's dotted path (for messages); its checkpoint key (None: not saved).
         tensor: whether the leaf is a tensor (else a Python object stored as bytes).
-        shape: the global shape (tensors).
-        chunks: this rank's chunks of the global tensor (see ``_boxes``).
+        shape, chunks: the global shape and this rank's chunks of it (tensors; ``_boxes``).
         replicated: the leaf is the same on every rank (save checks it).
     """
 
@@ -150,6 +147,9 @@ def _child_source(source, label: str):
 
 def _boxes_of(name: str, x: torch.Tensor, spec, mesh: Mesh | None) -> _Placed:
     """The global shape and boxes of tensor leaf ``x`` under a Layout/P/FusedLayout/None."""
+    if mesh is None and isinstance(spec, (Layout, P)) and not any(  # replicated: no mesh
+            p is not None for p in (spec.spec if isinstance(spec, Layout) else spec)):
+        spec = None
     if spec is None:
         return _Placed(tuple(x.shape), (Box((0,) * x.dim(), (0,) * x.dim(), tuple(x.shape)),),
                        True)

@@ -121,6 +121,9 @@ def _world(group) -> tuple[int, int]:
 def _mesh(mesh: Mesh | None) -> Mesh | None:
     """``mesh``, else the current mesh, else None; it must span the whole world (a save or
     load is collective over every rank)."""
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"checkpoint: mesh= must be an sf.Mesh, got {type(mesh).__name__}; a "
+                        "model or an optimizer that lays out the state goes in layouts=")
     try:
         mesh = get_mesh(mesh)
     except ValueError:
