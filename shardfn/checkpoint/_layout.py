@@ -443,8 +443,8 @@ def _roles(opt: GradientTransformation, params, part: flat.FlatPartition, name: 
                 _ROLES.clear()
             _ROLES[key] = hit
     treedef, roles = hit
-    got = pytree.tree_structure(state)
-    if got != treedef:
-        raise ValueError(f"checkpoint: the optimizer state at {name!r} does not have the "
-                         f"structure of its optimizer's init ({got} vs {treedef})")
+    if (got := pytree.tree_structure(state)) != treedef:
+        raise ValueError(f"checkpoint: the optimizer state at {name!r} is not its optimizer's "
+                         f"init of these params ({pytree.structure_difference(got, treedef)}): "
+                         "save the params it was made for, or say which: OptLayout(opt, params)")
     return list(roles)

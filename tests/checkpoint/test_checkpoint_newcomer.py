@@ -37,3 +37,38 @@ def test_a_model_in_the_mesh_slot_is_refused_naming_it(tmp_path):
     sf.checkpoint.save(tmp_path / "ok", fm.init(0))
     with pytest.raises(TypeError, match="mesh= must be an sf.Mesh, got FunctionalModel"):
         sf.checkpoint.load(tmp_path / "ok", fm.init(0), fm)
+
+
+class WithBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("inv_freq", torch.ones(2))
+
+    def forward(self, x):
+        return self.lin(x) * self.inv_freq.sum()
+
+
+def test_an_optimizer_state_of_the_trainable_part_names_the_leaves_it_lacks(tmp_path):
+    """``{"params": every leaf, "opt": adamw.init(trainable)}``: the message names the
+    buffer the state has no moments for (was: two whole tree structures)."""
+    model = sf.shard_params(sf.functional(WithBuffer()), sf.Mesh({"dp": 1}), "dp")
+    params = model.init(0)
+    trainable, _ = model.split_trainable(params)
+    opt = sf.optim.adamw(1e-3)
+    state = {"params": params, "opt": opt.init(trainable)}
+    with pytest.raises(ValueError, match=r"'opt' is not its optimizer's init of these params "
+                                         r"\(missing: 1\.inv_freq, 2\.inv_freq\).*OptLayout"):
+        sf.checkpoint.save(tmp_path / "ck", state, model.mesh, {"params": model, "opt": opt})
+    sf.checkpoint.save(tmp_path / "ok", {"params": trainable, "opt": opt.init(trainable)},
+                       model.mesh, {"params": model, "opt": opt})
+
+
+def test_structure_difference_names_both_sides():
+    diff = sf.pytree.structure_difference
+    spec = sf.pytree.tree_structure
+    assert diff(spec({"a": 1}), spec({"a": 1, "b": {"c": 2}})) == "missing: b.c"
+    assert diff(spec({"a": 1, "z": 3}), spec({"b": 1})) == "missing: b; unexpected: a, z"
+    assert diff(spec({f"k{i}": 0 for i in range(9)}), spec({}), limit=2) == \
+        "unexpected: k0, k1 and 7 more"
+    assert diff(spec((1, 2)), spec([1, 2])).startswith("the same leaf names")
