@@ -42,7 +42,6 @@ __all__ = [
     "NAMESPACE",
     "broadcast_prefix",
     "path_name",
-    "structure_difference",
     "Container",
     "DeepSpec",
     "tree_flatten",
@@ -119,28 +118,6 @@ def tree_paths(tree: PyTree, is_leaf=None) -> list[str]:
 def path_name(path: tuple) -> str:
     """Join an optree path tuple into a dotted name (``()`` becomes ``"<root>"``)."""
     return ".".join(str(p) for p in path) if path else "<root>"
-
-
-def structure_difference(got, want, limit: int = 6) -> str:
-    """The leaves one tree structure has and the other lacks, named (for error messages).
-
-    Args:
-        got, want: two ``PyTreeSpec`` s (``tree_structure`` of two trees).
-        limit: how many names to list on each side.
-
-    Returns:
-        ``"missing: a.b, c; unexpected: d"`` (sides with no name left out), or a note that
-        the leaves agree and the containers differ.
-
-    Example:
-        >>> structure_difference(tree_structure({"a": 1}), tree_structure({"a": 1, "b": 2}))
-        'missing: b'
-    """
-    have, need = ({path_name(p) for p in spec.paths()} for spec in (got, want))
-    parts = [f"{what}: {', '.join(sorted(names)[:limit])}"
-             + (f" and {len(names) - limit} more" if len(names) > limit else "")
-             for what, names in (("missing", need - have), ("unexpected", have - need)) if names]
-    return "; ".join(parts) or "the same leaf names in other containers"
 
 
 def broadcast_prefix(prefix: PyTree, tree: PyTree, is_prefix_leaf: Callable[[Any], bool]) -> list:

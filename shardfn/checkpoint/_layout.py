@@ -45,6 +45,7 @@ from shardfn.checkpoint._boxes import (
     piece_chunks,
     row_split_boxes,
 )
+from shardfn.checkpoint.errors import structure_difference
 from shardfn.mesh import Mesh
 from shardfn.optim.base import GradientTransformation
 from shardfn.primitives import flat, reduced
@@ -429,8 +430,7 @@ _ROLES: dict = {}  # (optimizer, parameter treedef, dtypes) -> (state treedef, r
 def _roles(opt: GradientTransformation, params, part: flat.FlatPartition, name: str, state
            ) -> list[int | None]:
     """Per state leaf, its parameter leaf (or None); memoized per optimizer, parameter
-    structure and dtypes (what ``state_roles``'s probe ``init`` depends on), so repeated
-    saves and loads do not re-run the optimizer's ``init``."""
+    structure and dtypes (what ``state_roles``'s probe ``init`` depends on)."""
     try:
         key = (opt, part.treedef, tuple(x.dtype for x in pytree.tree_leaves(params)))
         hit = _ROLES.get(key)
@@ -445,6 +445,6 @@ def _roles(opt: GradientTransformation, params, part: flat.FlatPartition, name: 
     treedef, roles = hit
     if (got := pytree.tree_structure(state)) != treedef:
         raise ValueError(f"checkpoint: the optimizer state at {name!r} is not its optimizer's "
-                         f"init of these params ({pytree.structure_difference(got, treedef)}): "
+                         f"init of these params ({structure_difference(got, treedef)}): "
                          "save the params it was made for, or say which: OptLayout(opt, params)")
     return list(roles)

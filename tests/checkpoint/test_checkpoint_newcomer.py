@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import shardfn as sf
+from shardfn.checkpoint.errors import structure_difference
 
 
 def test_unsharded_model_layouts_need_no_mesh(tmp_path):
@@ -65,7 +66,7 @@ def test_an_optimizer_state_of_the_trainable_part_names_the_leaves_it_lacks(tmp_
 
 
 def test_structure_difference_names_both_sides():
-    diff = sf.pytree.structure_difference
+    diff = structure_difference
     spec = sf.pytree.tree_structure
     assert diff(spec({"a": 1}), spec({"a": 1, "b": {"c": 2}})) == "missing: b.c"
     assert diff(spec({"a": 1, "z": 3}), spec({"b": 1})) == "missing: b; unexpected: a, z"

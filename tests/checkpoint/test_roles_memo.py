@@ -39,6 +39,6 @@ def test_roles_are_probed_once_per_optimizer_and_dtypes(tmp_path, monkeypatch):
         torch.testing.assert_close(ck.load(path, like, mesh, layouts), state)
     assert probes == [adam, sgd, adam]  # the second AdamW save and every load: memoized
     wrong = {"params": _params(), "opt": sgd.init(_params())}
-    with pytest.raises(ValueError, match="does not have the structure"):
+    with pytest.raises(ValueError, match="is not its optimizer's init of these params"):
         ck.save(str(tmp_path / "bad"), wrong, mesh, {"params": {"w": None, "b": None},
                                                       "opt": adam})
