@@ -1,14 +1,18 @@
 """shardfn demo: train the reference GPT on Python's own source code, sharded over local ranks.
 
 A character-level GPT (``shardfn.models.GPT``) learns to write Python from the
-standard library's source files (read from this interpreter's install: no
-download). The same pure training step runs under the chosen plan on every
-rank. A progress bar shows the loss, tokens/s and step time. Halfway through,
-every rank saves a sharded checkpoint (``sf.checkpoint``); at the end the run
-resumes from it and checks that the resumed steps give the same parameters bit
-for bit. Then the script prints each rank's memory and communication beside the
-ZeRO / Megatron formulas, checks that the sharded run equals the same steps on
-one process with the whole batch, and prints a generated sample.
+standard library's source files (read from this interpreter's install: no download),
+written once as a token file in the run's directory and read by ``sf.data.loader``:
+each rank reads its block of every global batch (tp peers the same block, every
+pipeline stage its data replica's). The same pure training step runs under the
+chosen plan on every rank. A progress bar shows the loss, tokens/s and step time.
+Halfway through, every rank saves a sharded checkpoint (``sf.checkpoint``: the
+parameters, the optimizer state and the loader's position); at the end the run
+resumes from it, the data order continuing where it stopped, and checks that the
+resumed steps give the same parameters bit for bit. Then the script prints each
+rank's memory and communication beside the ZeRO / Megatron formulas, checks that the
+sharded run equals the same steps on one process with the whole batch, and prints a
+generated sample.
 
 Plans (``--plan``), on N ranks (default 4):
 
@@ -29,8 +33,9 @@ Run: make demo   (or: python examples/demo.py [--plan fsdp] [--ranks 4] [--steps
      torchrun --nproc-per-node 2 examples/demo.py [--plan fsdp]
 Under torchrun the script joins the launched world (sf.distributed.initialize(): gloo
 on CPU, NCCL with one GPU per local rank) and only rank 0 prints; see docs/launching.md.
-The checkpoint directory (``--ckpt``) must be one all ranks see (a shared file system
-across nodes). The last line prints the final loss and a checksum of the parameters: the
+The run's directory (``--ckpt``: the token file ``text.uint16`` and the checkpoint
+``step_<half>``) must be one all ranks see (a shared file system across nodes). The
+last line prints the final loss and a checksum of the parameters: the
 same plan and world size give the same line under either launcher.
 """
 
@@ -79,12 +84,33 @@ def decode(ids) -> str:
     return "".join(VOCAB[int(i)] for i in ids)
 
 
-def global_batch(data: torch.Tensor, step: int, batch: int, seq: int):
-    """Batch ``step``: ``batch`` random windows, the same on every rank (drawn from the step)."""
-    gen = torch.Generator().manual_seed(10_000 + step)
-    starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen).tolist()
-    return (torch.stack([data[s:s + seq] for s in starts]),
-            torch.stack([data[s + 1:s + seq + 1] for s in starts]))
+#: the token file of the text, in the run's directory
+TOKENS = "text.uint16"
+
+
+def text_tokens(directory: str, write: bool = True) -> str:
+    """The path of the text's token file in ``directory``, written there once (uint16,
+    ``sf.data.write_tokens``) if it is missing and ``write``; a rank that does not write
+    waits for the writer elsewhere (``torch.distributed.barrier``)."""
+    path = os.path.join(directory, TOKENS)
+    if write and not os.path.exists(path):
+        os.makedirs(directory, exist_ok=True)
+        sf.data.write_tokens(path, load_text())
+    return path
+
+
+def loader(plan: Plan, tokens: str, batch: int, seq: int) -> sf.data.MeshLoader:
+    """This rank's batches of the token file: windows of ``seq`` characters, ``batch`` of
+    them per step over all data ranks, in an order drawn from seed 0 (the same for every
+    world size, so the one-process run reads the same global batches)."""
+    return sf.data.loader(sf.data.TokenFile(tokens, seq), plan.mesh, data_axes=plan.batch_axes,
+                          global_batch=batch, seed=0)
+
+
+def batches(data: sf.data.MeshLoader):
+    """``data``'s batches from its position on, epoch after epoch."""
+    while True:
+        yield from data
 
 
 def config(seq: int, tied: bool = True) -> GPTConfig:
@@ -107,7 +133,8 @@ class Plan(NamedTuple):
 
     Attributes:
         mesh: its mesh.
-        share: ``(index, count)``: this rank's share of the global batch.
+        batch_axes: the axes the global batch is split over (the loader's ``data_axes``;
+            ``()``: every rank reads the whole batch).
         init: ``seed -> (params, opt_state)``, this rank's parts.
         step: ``(params, state, x, y) -> (params, state, loss)`` on this rank's share.
         full: ``params -> the full parameter tree`` (on every rank).
@@ -116,7 +143,7 @@ class Plan(NamedTuple):
     """
 
     mesh: sf.Mesh
-    share: tuple[int, int]
+    batch_axes: Any
     init: Any
     step: Any
     full: Any
@@ -166,7 +193,7 @@ def build(plan: str, n: int, seq: int, ranks: list[int] | None = None,
             return (grads if reduce is None else reduce(grads)), loss
 
         init, step = _pure(opt, grads_of, fmodel.init)
-        return Plan(mesh, (mesh.index("dp"), n), init, step, lambda p: p, {"opt": opt}, "dp")
+        return Plan(mesh, "dp", init, step, lambda p: p, {"opt": opt}, "dp")
     if plan == "zero2":
         mesh = sf.Mesh({"dp": n}, ranks=ranks)
         sharded = sf.shard_opt_state(opt, mesh, "dp", shard_grads=True)
@@ -180,33 +207,32 @@ def build(plan: str, n: int, seq: int, ranks: list[int] | None = None,
             return sf.optim.apply_updates(params, updates), state, loss.detach()
 
         init, _ = _pure(sharded, None, fmodel.init)
-        return Plan(mesh, (mesh.index("dp"), n), init, step, lambda p: p, {"opt": sharded},
-                    "dp")
+        return Plan(mesh, "dp", init, step, lambda p: p, {"opt": sharded}, "dp")
     if plan in ("fsdp", "hsdp"):
         if plan == "hsdp":
             if n % 2 or n < 4:
                 raise SystemExit("--plan hsdp needs an even number of ranks >= 4")
             mesh = sf.Mesh({"replica": 2, "shard": n // 2}, ranks=ranks)
             model = sf.shard_params(fmodel, mesh, "shard", units=Block, replicate_axis="replica")
-            share, axes = (mesh.index(("replica", "shard")), n), ("replica", "shard")
+            axes = ("replica", "shard")
         else:
             mesh = sf.Mesh({"dp": n}, ranks=ranks)
             model = sf.shard_params(fmodel, mesh, "dp", units=Block)
-            share, axes = (mesh.index("dp"), n), "dp"
+            axes = "dp"
         # the gradients come back as this rank's shards, already averaged over the ranks
         init, step = _pure(opt, lambda p, x, y: grad(lambda q: _loss(model.apply(q, x), y))(p),
                            model.init)
-        return Plan(mesh, share, init, step, lambda p: sf.gather(p, model.specs, mesh),
+        return Plan(mesh, axes, init, step, lambda p: sf.gather(p, model.specs, mesh),
                     {"params": model, "opt": opt}, axes)
     if plan in ("tp", "tp+sp", "fsdp+tp"):
         if plan == "fsdp+tp":
             if n % 2:
                 raise SystemExit("--plan fsdp+tp needs an even number of ranks (tp=2)")
             mesh = sf.Mesh({"dp": n // 2, "tp": 2}, ranks=ranks)
-            share = (mesh.index("dp"), n // 2)
+            axes = ("dp",)  # both tp ranks of a dp index read its block
         else:
             mesh = sf.Mesh({"tp": n}, ranks=ranks)
-            share = (0, 1)  # every tp rank sees the whole batch
+            axes = ()  # every tp rank reads the whole batch
         model = sf.tensor_split(fmodel, mesh, "tp", gpt_tp_plan(plan == "tp+sp"))
         if plan == "fsdp+tp":
             model = sf.shard_params(model, mesh, "dp", units=Block)
@@ -216,7 +242,7 @@ def build(plan: str, n: int, seq: int, ranks: list[int] | None = None,
                                                    y.flatten(), "tp", mesh=mesh)
 
         init, step = _pure(opt, lambda p, x, y: grad(tp_loss)(p, x, y), model.init)
-        return Plan(mesh, share, init, step, model.gather_params,
+        return Plan(mesh, axes, init, step, model.gather_params,
                     {"params": model, "opt": opt}, "dp" if plan == "fsdp+tp" else None)
     if plan in ("pp", "pp+fsdp"):
         units = list(reference_module(plan, seq))
@@ -226,12 +252,12 @@ def build(plan: str, n: int, seq: int, ranks: list[int] | None = None,
             mesh = sf.Mesh({"pp": 2, "dp": n // 2}, ranks=ranks)
             extra = {"dp_axis": "dp",
                      "stage_transform": lambda f, m: sf.shard_params(f, m, "dp")}
-            share = (mesh.index("dp"), n // 2)
+            axes = ("dp",)
         else:
             if n > len(units):
                 raise SystemExit(f"--plan pp: at most {len(units)} ranks (one unit each)")
             mesh = sf.Mesh({"pp": n}, ranks=ranks)
-            extra, share = {}, (0, 1)
+            extra, axes = {}, ()
         pp = sf.pipeline_stages(units, mesh, "pp", balance="params", schedule="1f1b",
                                 microbatches=4, loss_fn=_loss, **extra)
 
@@ -244,7 +270,9 @@ def build(plan: str, n: int, seq: int, ranks: list[int] | None = None,
         if pp.stage_models:  # ZeRO-3 stages: each stage model knows its leaves' layouts
             layouts["params"] = {n: s for m in pp.stage_models.values()
                                  for n, s in m.specs.items()}
-        return Plan(mesh, share, init, step, pp.gather, layouts)
+        # every stage of a dp replica reads its block: the first stage reads the inputs,
+        # the last the targets (pipeline_stages checks the stages pass the same batch)
+        return Plan(mesh, axes, init, step, pp.gather, layouts)
     raise SystemExit(f"unknown --plan {plan!r}; choose from {', '.join(PLANS)}")
 
 
@@ -363,17 +391,15 @@ def _nbytes(tree) -> int:
                if isinstance(t, torch.Tensor) and t.dim() > 0)
 
 
-def _my_share(plan: Plan, x, y):
-    index, count = plan.share
-    return x.chunk(count)[index], y.chunk(count)[index]
-
-
-def train(plan_name: str, steps: int, batch: int, seq: int, ckpt: str | None,
+def train(plan_name: str, steps: int, batch: int, seq: int, ckpt: str,
           sharded: bool = True, show: bool = False) -> dict:
     """One rank's run (``sharded=False``: the one-process reference, whole batch).
 
-    Saves a checkpoint after ``steps // 2`` steps (when ``ckpt``), trains on, then
-    loads it and trains the second half again: the two ends must be bit-identical.
+    Reads the token file in ``ckpt`` (written there first if missing). Saves a
+    checkpoint after ``steps // 2`` steps (when ``sharded``: the parameters, the optimizer
+    state, the step and the loader's position) to ``ckpt/step_<half>``, trains on, then
+    loads it into a fresh state and loader and trains the second half again: the two
+    ends must be bit-identical.
     """
     import torch.distributed as dist
 
@@ -383,15 +409,18 @@ def train(plan_name: str, steps: int, batch: int, seq: int, ckpt: str | None,
     n = dist.get_world_size() if sharded and launched else 1
     ranks = None if sharded or not launched else [dist.get_rank()]
     plan = build(plan_name if sharded else "single", n, seq, ranks, arch=plan_name, steps=steps)
-    data = load_text()
+    tokens = text_tokens(ckpt, write=not (sharded and launched) or dist.get_rank() == 0)
+    if sharded and launched:
+        dist.barrier()  # rank 0 has written the token file
+    data = loader(plan, tokens, batch, seq)
     params, state = plan.init(0)
     half = steps // 2
     bar = _progress(steps, plan_name, n) if show else None
     losses, times, saved = [], [], None
 
-    def run(params, state, first: int, last: int, record: bool):
-        for step in range(first, last):
-            x, y = _my_share(plan, *global_batch(data, step, batch, seq))
+    def run(params, state, data, first: int, last: int, record: bool):
+        # this rank's block of each global batch; zip stops before reading past `last`
+        for _, (x, y) in zip(range(first, last), batches(data), strict=False):
             start = time.perf_counter()
             params, state, loss = plan.step(params, state, x, y)
             if plan.data_axes is not None:  # this rank's loss -> the whole batch's
@@ -407,26 +436,31 @@ def train(plan_name: str, steps: int, batch: int, seq: int, ckpt: str | None,
         return params, state
 
     sf.reset_comm_stats()
-    params, state = run(params, state, 0, half, True)
-    if ckpt is not None and sharded:
-        saved = sf.checkpoint.save(ckpt, {"params": params, "opt": state, "step": half},
-                                   plan.mesh, plan.layouts, overwrite=True)
+    params, state = run(params, state, data, 0, half, True)
+    if sharded:
+        saved = sf.checkpoint.save(ckpt, {"params": params, "opt": state, "step": half,
+                                          "data": data.state},
+                                   plan.mesh, plan.layouts, step=half, overwrite=True)
     comm = sf.comm_stats().total_bytes / max(half, 1)
     with sf.memory.track() as tracker:  # one step's peak above what is already held
-        params, state = run(params, state, half, half + 1, True)
-    params, state = run(params, state, half + 1, steps, True)
+        params, state = run(params, state, data, half, half + 1, True)
+    params, state = run(params, state, data, half + 1, steps, True)
     if bar is not None:
         bar.close()
     result = {"losses": losses, "full": _detach(plan.full(params)),
               "param_bytes": _nbytes(params), "state_bytes": _nbytes(state),
               "peak": tracker.peak_bytes, "comm_per_step": comm,
-              "step_s": sorted(times)[len(times) // 2], "resumed": None}
-    if saved is not None:  # resume: a fresh state, the checkpoint loaded into it
+              "step_s": sorted(times)[len(times) // 2], "resumed": None, "checkpoint": saved}
+    if saved is not None:  # resume: a fresh state and loader, the checkpoint loaded into them
         like_params, like_state = plan.init(1)
+        fresh = loader(plan, tokens, batch, seq)
         loaded = sf.checkpoint.load(saved, {"params": like_params, "opt": like_state,
-                                            "step": 0}, plan.mesh, plan.layouts)
-        again, _ = run(loaded["params"], loaded["opt"], loaded["step"], steps, False)
-        result["resumed"] = all(torch.equal(a, params[k]) for k, a in again.items())
+                                            "step": 0, "data": fresh.state},
+                                    plan.mesh, plan.layouts)
+        fresh.load_state(loaded["data"])  # the data order continues after step `half`
+        again, _ = run(loaded["params"], loaded["opt"], fresh, loaded["step"], steps, False)
+        result["resumed"] = all(torch.equal(a, params[k]) for k, a in again.items()) and \
+            fresh.state == data.state
     return result
 
 
@@ -518,7 +552,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     parser.add_argument("--seq", type=int, default=64, help="sequence length (characters)")
     parser.add_argument("--ckpt", default=None,
-                        help="checkpoint directory (default: a new temporary one)")
+                        help="the run's directory: the token file and the checkpoint "
+                             "(default: shardfn-demo-<plan> in the temporary directory)")
     return parser.parse_args(argv)
 
 
@@ -549,9 +584,10 @@ def main(argv=None) -> None:
         with sf.testing.local_world(ranks, timeout=600) as world:
             results = world.run(train, *job, True, True)
     print("training the same steps on one process with the whole batch ...", flush=True)
-    reference = train(*job[:-1], None, sharded=False)
+    reference = train(*job, sharded=False)
     report(args.plan, results, reference)
-    print(f"\ncheckpoint: saved after step {args.steps // 2} to {ckpt}; resumed from it, the "
+    print(f"\ncheckpoint: saved after step {args.steps // 2} to {results[0]['checkpoint']}; "
+          "resumed from it (the parameters, the optimizer state and the loader's position), the "
           "second half gives the same parameters bit for bit: "
           f"{'OK' if all(r['resumed'] for r in results) else 'FAILED'}")
     if not all(r["resumed"] for r in results):

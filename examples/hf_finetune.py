@@ -4,25 +4,31 @@ Three phases (``--phase all`` runs them in turn; docs/huggingface.md walks throu
 
 1. **finetune**, on ``dp x tp`` ranks: a tiny Llama built from its config (GQA: 8 heads,
    4 key/value heads; random init, standing in for ``from_pretrained``) trains on a
-   character corpus with FSDP x TP, ``sf.shard_params(sf.tensor_split(fm, mesh, "tp",
+   character corpus (written once as a token file, ``DIR/corpus.uint16``, and read by
+   ``sf.data.loader``: each dp rank its block of every global batch, both tp ranks of a
+   dp index the same block) with FSDP x TP, ``sf.shard_params(sf.tensor_split(fm, mesh, "tp",
    plan), mesh, "dp")``: the model's own TP plan with a vocab-parallel head and
    ``sf.vocab_parallel_causal_lm_loss``. After ``--steps // 2`` AdamW steps every rank
    writes its shards to a checkpoint (``sf.checkpoint.save``: the trainable leaves, the
-   AdamW state, the step); the run then goes on to ``--steps``, only to be compared with.
+   AdamW state, the step, the loader's position); the run then goes on to ``--steps``,
+   only to be compared with.
 2. **resume**, on ``--resume-ranks`` ranks (a new job): plain FSDP (ZeRO-3,
    ``sf.shard_params(sf.functional(hf), mesh, "dp")``) loads the checkpoint, every leaf
-   and AdamW moment resharded, and trains to ``--steps`` with HF's own loss (``labels=``).
+   and AdamW moment resharded, and trains to ``--steps`` with HF's own loss (``labels=``),
+   its loader continuing the data order from the saved position on the new dp size.
 3. **export**: ``sf.checkpoint.save_pretrained`` writes the ZeRO-3 leaves as a Hugging
    Face directory; ``AutoModelForCausalLM.from_pretrained`` loads it; ``generate()``
    continues a prompt greedily, to a newline (the end-of-sequence token) or 24 characters.
 
 Checked on the way (a failed check ends the run with the numbers): the loaded weights
 are the saved ones bit for bit; the resumed losses equal those of the run that stayed on
-``dp x tp`` ranks (to float32 round-off); ``from_pretrained`` reports no missing or
-unexpected key, and its logits equal the gathered leaves'; ``generate()`` gives the
-tokens of an argmax loop over the gathered leaves. ``DIR/summary.json`` holds the losses
-and the checks; ``DIR/checkpoint`` the sharded checkpoint, ``DIR/hf`` the export,
-``DIR/finetune.pt`` what phase 1 hands to phase 2 for the checks.
+``dp x tp`` ranks (to float32 round-off: the same batches, the loader's position came
+with the checkpoint) and its loader ends where that run's did; ``from_pretrained``
+reports no missing or unexpected key, and its logits equal the gathered leaves';
+``generate()`` gives the tokens of an argmax loop over the gathered leaves.
+``DIR/summary.json`` holds the losses and the checks; ``DIR/checkpoint`` the sharded
+checkpoint, ``DIR/hf`` the export, ``DIR/finetune.pt`` what phase 1 hands to phase 2 for
+the checks, ``DIR/corpus.uint16`` the token file.
 
 Run: python examples/hf_finetune.py [--dp 2] [--tp 2] [--resume-ranks 2] [--steps 100]
      torchrun --nproc-per-node 4 examples/hf_finetune.py [--steps 100] [--out DIR]
@@ -60,6 +66,10 @@ computation gives the same result as the same function on one process with the w
 batch. The same code runs on a laptop with local CPU processes and under torchrun.
 """
 BATCH, SEQ, KV_HEADS = 8, 32, 4
+#: windows of SEQ tokens start every STRIDE tokens of the corpus (79 windows: 9 batches
+#: an epoch, each epoch in a new order)
+STRIDE, DATA_SEED = 4, 0
+TOKENS = "corpus.uint16"
 Phase = Literal["all", "finetune", "resume"]
 
 
@@ -116,12 +126,29 @@ def build_llama() -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def global_batch(step: int) -> torch.Tensor:
-    """Step ``step``'s batch: ``BATCH`` windows of ``SEQ`` characters, the same on every rank."""
-    data = encode(CORPUS)
-    gen = torch.Generator().manual_seed(step)
-    starts = torch.randint(0, data.numel() - SEQ, (BATCH,), generator=gen).tolist()
-    return torch.stack([data[s:s + SEQ] for s in starts])
+def write_corpus(job: Job) -> str:
+    """Write the corpus as a uint16 token file in ``job.out`` (rank 0; the other ranks of a
+    launched world wait for it) and return its path."""
+    path = job.path(TOKENS)
+    if _rank() == 0:
+        os.makedirs(job.out, exist_ok=True)
+        sf.data.write_tokens(path, encode(CORPUS))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return path
+
+
+def make_loader(out: str, mesh: sf.Mesh | None) -> sf.data.MeshLoader:
+    """The loader of ``out``'s token file: ``BATCH`` windows a step over all dp ranks, in
+    an order drawn from ``DATA_SEED`` (the same on any number of ranks)."""
+    windows = sf.data.TokenFile(os.path.join(out, TOKENS), SEQ, stride=STRIDE)
+    return sf.data.loader(windows, mesh, data_axes="dp", global_batch=BATCH, seed=DATA_SEED)
+
+
+def batches(data: sf.data.MeshLoader):
+    """``data``'s batches from its position on, epoch after epoch."""
+    while True:
+        yield from data
 
 
 def make_optimizer(job: Job):
@@ -131,8 +158,9 @@ def make_optimizer(job: Job):
     return sf.optim.adamw(job.lr, eps=1e-6, weight_decay=0.01)
 
 
-def train(model, trainable, rest, opt, opt_state, steps: range, loss_of, label: str):
-    """AdamW ``steps`` on this rank's shards; each dp rank takes its part of the batch.
+def train(model, trainable, rest, opt, opt_state, data, steps: range, loss_of, label: str):
+    """AdamW ``steps`` on this rank's shards; each dp rank reads its block of the batch from
+    the loader ``data`` (the inputs: the model shifts the labels itself).
 
     Returns:
         ``(trainable, opt_state, losses)``: the whole batch's loss at each step.
@@ -140,8 +168,9 @@ def train(model, trainable, rest, opt, opt_state, steps: range, loss_of, label: 
     mesh, losses = model.mesh, []
     grad_and_loss = torch.func.grad_and_value(
         lambda t, ids: loss_of(model.merge(t, rest), ids))   # gradients averaged over dp
-    for step in steps:
-        ids = global_batch(step).chunk(mesh.size("dp"))[mesh.index("dp")].to(mesh.device)
+    # zip stops before reading a batch past the last step: data.state is after `steps`
+    for step, (inputs, _) in zip(steps, batches(data), strict=False):
+        ids = inputs.to(mesh.device)
         grads, loss = grad_and_loss(trainable, ids)
         updates, opt_state = opt.update(grads, opt_state, trainable)
         trainable = sf.optim.apply_updates(trainable, updates)
@@ -168,20 +197,23 @@ def finetune(job: Job) -> None:
 
     opt, half = make_optimizer(job), job.steps // 2
     opt_state = opt.init(trainable)
+    write_corpus(job)
+    data = make_loader(job.out, mesh)
     say(f"phase 1: finetune with FSDP x TP on {job.dp * job.tp} ranks "
         f"(dp={job.dp} x tp={job.tp})")
-    trainable, opt_state, losses = train(model, trainable, rest, opt, opt_state, range(half),
-                                         loss_of, "finetune")
+    trainable, opt_state, losses = train(model, trainable, rest, opt, opt_state, data,
+                                         range(half), loss_of, "finetune")
     path = sf.checkpoint.save(job.path("checkpoint"),   # this run's: replaces an earlier one
-                              {"params": trainable, "opt": opt_state, "step": half}, mesh,
+                              {"params": trainable, "opt": opt_state, "step": half,
+                               "data": data.state}, mesh,
                               {"params": model, "opt": opt}, overwrite=True)
-    say(f"  checkpoint: {path}")
+    say(f"  checkpoint: {path} (data: epoch {data.state.epoch}, sample {data.state.offset})")
     saved = _cpu(model.gather(trainable))
-    _, _, stayed = train(model, trainable, rest, opt, opt_state, range(half, job.steps),
-                         loss_of, "(staying, for the check)")
+    _, _, stayed = train(model, trainable, rest, opt, opt_state, data,
+                         range(half, job.steps), loss_of, "(staying, for the check)")
     if _rank() == 0:   # what the resume checks against
         torch.save({"job": list(job), "losses": losses, "stayed": stayed, "saved": saved,
-                    "checkpoint": path}, job.path("finetune.pt"))
+                    "checkpoint": path, "data_end": list(data.state)}, job.path("finetune.pt"))
 
 
 def resume(job: Job) -> dict[str, Any] | None:
@@ -195,21 +227,24 @@ def resume(job: Job) -> dict[str, Any] | None:
     model = sf.shard_params(sf.functional(llama), mesh, "dp")
     opt = make_optimizer(job)
     trainable, rest = model.split_trainable(model.init(1))   # overwritten by the load
-    like = {"params": trainable, "opt": opt.init(trainable), "step": 0}
+    data = make_loader(job.out, mesh)                        # its position too
+    like = {"params": trainable, "opt": opt.init(trainable), "step": 0, "data": data.state}
     path = job.path("checkpoint")
     say(f"phase 2: resume from {path} with plain FSDP on {job.resume_ranks} ranks")
     state = sf.checkpoint.load(path, like, mesh, {"params": model, "opt": opt})
+    data.load_state(state["data"])   # the global order goes on; each rank's block is new
 
     def loss_of(params, ids):
         return model.apply(params, input_ids=ids, labels=ids).loss
 
-    trainable, _, losses = train(model, state["params"], rest, opt, state["opt"],
+    trainable, _, losses = train(model, state["params"], rest, opt, state["opt"], data,
                                  range(state["step"], job.steps), loss_of, "resume")
     sf.checkpoint.save_pretrained(job.path("hf"), model, model.merge(trainable, rest))
     loaded, final = _cpu(model.gather(state["params"])), _cpu(model.gather(trainable))
     if _rank() != 0:
         return None
-    return {"losses": losses, "loaded": loaded, "final": final, "step": state["step"]}
+    return {"losses": losses, "loaded": loaded, "final": final, "step": state["step"],
+            "data_end": list(data.state)}
 
 
 def export_and_generate(job: Job, final: dict[str, torch.Tensor], prompt: str = "shardfn is",
@@ -255,6 +290,7 @@ def report(job: Job, resumed: dict[str, Any]) -> dict[str, Any]:
                "losses": {"finetune": first["losses"], "stayed": first["stayed"],
                           "resumed": resumed["losses"]},
                "loaded_equals_saved": saved_equal, "resumed_vs_stayed_max_rel_diff": rel,
+               "data_position": {"stayed": first["data_end"], "resumed": resumed["data_end"]},
                **export_and_generate(job, resumed["final"]), "export": job.path("hf")}
     failures = []
     if not saved_equal:
@@ -262,6 +298,9 @@ def report(job: Job, resumed: dict[str, Any]) -> dict[str, Any]:
     if rel > 1e-4:   # float32 sums over ranks in another order, carried a few steps
         failures.append(f"the resumed losses {resumed['losses']} are {rel:.1e} (relative) "
                         f"from the stayed run's {first['stayed']}; allowed 1e-4")
+    if first["data_end"] != resumed["data_end"]:
+        failures.append(f"the resumed loader ends at {resumed['data_end']}, the stayed run's "
+                        f"at {first['data_end']} (seed, epoch, offset, samples, shuffle)")
     if summary["loading_info"]:
         failures.append(f"from_pretrained reported {summary['loading_info']}")
     if summary["export_logits_max_abs_diff"] > 1e-5:

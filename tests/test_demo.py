@@ -20,8 +20,11 @@ import importlib.util
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+
+import shardfn as sf
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 
@@ -32,6 +35,9 @@ DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 #: demo.check applies)
 #: (measured 2026-12-02 at the peak learning rate 3e-3; seconds: the 4-rank run with its
 #: resumed half, on 2 cores at load 15-30; the two one-process runs took 91 and 38 s)
+#: (measured on the demo's earlier batches, random windows of the text drawn per step;
+#: since #25 it reads whole windows of its token file through sf.data.loader, and these
+#: have not been measured again at the defaults: SHARDFN_DEMO_DEFAULTS=1 does that)
 DEFAULT_DRIFT: dict[str, tuple[float, float]] = {
     "dp": (2.28e-07, 0.06),  # 227 s
     "zero1": (2.28e-07, 0.06),  # 61 s
@@ -53,14 +59,14 @@ def _demo():
     return module
 
 
-def _train(plan: str, steps: int, ckpt: str | None, sharded: bool = True):
-    return _demo().train(plan, steps, 8, 16, ckpt, sharded)
+def _train(plan: str, steps: int, run_dir: str, sharded: bool = True):
+    return _demo().train(plan, steps, 8, 16, run_dir, sharded)
 
 
 @pytest.mark.parametrize("plan", _demo().PLANS)
 def test_plan_matches_one_process_and_resumes_exactly(worlds, tmp_path, plan):
-    results = worlds(4).run(_train, plan, 4, str(tmp_path / "ckpt"))
-    reference = _train(plan, 4, None, sharded=False)
+    results = worlds(4).run(_train, plan, 4, str(tmp_path))   # writes tmp_path/text.uint16
+    reference = _train(plan, 4, str(tmp_path), sharded=False)  # reads it: the same batches
     for rank, result in enumerate(results):
         assert result["resumed"] is True, f"rank {rank}: the resumed run differs"
     _demo().check(plan, results, reference)
@@ -124,10 +130,23 @@ def test_every_plan_passes_its_check_at_the_default_steps(worlds, tmp_path, plan
     print(plan, demo.check(plan, results, reference))
 
 
-def test_demo_text_and_vocabulary():
+def test_demo_text_is_a_token_file_read_by_the_mesh_loader(tmp_path):
     demo = _demo()
     ids = demo.load_text(2000)
     assert ids.numel() == 2000 and int(ids.max()) < len(demo.VOCAB) == 96
     assert demo.decode(ids[:50]) == demo.decode(ids)[:50]
-    x, y = demo.global_batch(ids, 3, 4, 16)
-    assert torch.equal(x[:, 1:], y[:, :-1])
+    path = demo.text_tokens(str(tmp_path))
+    tokens = torch.from_numpy(np.fromfile(path, dtype="<u2").astype("int64"))
+    assert torch.equal(tokens, demo.load_text())                 # written once, uint16
+    os.utime(path, (0, 0))
+    assert demo.text_tokens(str(tmp_path)) == path and os.stat(path).st_mtime == 0  # reused
+    mesh = sf.Mesh({"dp": 1})
+    plan = demo.Plan(mesh, "dp", None, None, None, None)
+    x, y = next(iter(demo.loader(plan, path, 4, 16)))
+    assert x.shape == y.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    windows = tokens[:len(sf.data.TokenFile(path, 16)) * 16].view(-1, 16)
+    found = (windows[None] == x[:, None]).all(-1)               # each row: a window of it
+    assert found.any(1).all()
+    starts = 16 * found.int().argmax(1)
+    assert torch.equal(y, torch.stack([tokens[s + 1:s + 17] for s in starts.tolist()]))
+    assert not torch.equal(starts, torch.arange(4) * 16)        # shuffled

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,14 +52,15 @@ def run(tmp_path_factory) -> tuple[dict, Path, str]:
     return json.loads((out / "summary.json").read_text()), out, result.stdout
 
 
-def _one_process_reference(example) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _one_process_reference(example, out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
     """``STEPS`` steps of torch.optim.AdamW on the HF module, whole batch (the script's
-    hyperparameters: lr 3e-3, eps 1e-6, weight decay 0.01)."""
+    hyperparameters: lr 3e-3, eps 1e-6, weight decay 0.01), on the global batches of a
+    one-process loader over the script's token file (read from the start, no resume)."""
     llama = example.build_llama().train()
     opt = torch.optim.AdamW(llama.parameters(), lr=3e-3, eps=1e-6, weight_decay=0.01)
     losses = []
-    for step in range(STEPS):
-        ids = example.global_batch(step)
+    for _, (ids, _) in zip(range(STEPS), example.batches(example.make_loader(str(out), None)),
+                           strict=False):
         opt.zero_grad()
         loss = llama(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -84,7 +86,11 @@ def test_script_passes_its_checks_and_trains_like_one_process(run):
     assert losses["resumed"][-1] < losses["resumed"][0] < losses["finetune"][-1]
     assert "loaded weights equal the saved ones: OK" in stdout, stdout
 
-    want_losses, want_params = _one_process_reference(_example())
+    assert summary["data_position"]["resumed"] == summary["data_position"]["stayed"]
+    example = _example()
+    corpus = np.fromfile(out / "corpus.uint16", dtype="<u2")        # written once, uint16
+    assert torch.equal(torch.from_numpy(corpus.astype("int64")), example.encode(example.CORPUS))
+    want_losses, want_params = _one_process_reference(example, out)
     got_losses = losses["finetune"] + losses["resumed"]
     assert got_losses == pytest.approx(want_losses, rel=1e-5), (got_losses, want_losses)
     exported = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
