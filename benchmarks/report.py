@@ -51,6 +51,8 @@ BENCHES = (
     Bench("ckpt", "Checkpoints against torch DCP with FSDP2", "bench_ckpt.py", ()),
     Bench("hf", "A Hugging Face Llama: ZeRO-3, TP from plan='auto' and a pipeline against "
           "torch's own", "bench_hf.py", ()),
+    Bench("data", "The data loader's throughput against the demo's step and torch's "
+          "DataLoader", "bench_data.py", ()),
 )
 
 
@@ -106,6 +108,10 @@ TARGETS = (
                               ("pipeline", "torch pipelining", "pipeline_stages"))),
     Target("hf", "HF Llama: memory per rank (params + grads + optimizer state) no more than "
            "the peer's, every comparison", "shardfn", "memory ratio", "<=", 1.01),
+    # #25 item 5: the loader is not the bottleneck of the demo's training step
+    *(Target("data", f"sf.data.loader (num_workers={w}) delivers tokens per rank faster than "
+             "the demo's fsdp step consumes them", f"sf.data.loader (TokenFile), num_workers={w}",
+             "loader / step", ">=", 1.0) for w in (0, 2)),
 )
 
 
