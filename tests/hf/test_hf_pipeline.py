@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 VOCAB, BATCH, SEQ = 64, 6, 7
 
 
-def hf_model(kind: str) -> nn.Module:
+def hf_model(kind: str, layers: int = 3) -> nn.Module:
     """A tiny HF causal LM, the same in every process (dropout off)."""
     t = transformers
     if kind == "gpt2":
@@ -33,7 +33,7 @@ def hf_model(kind: str) -> nn.Module:
                               bos_token_id=0, eos_token_id=0)
     else:
         config = t.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                               num_hidden_layers=3, num_attention_heads=4,
+                               num_hidden_layers=layers, num_attention_heads=4,
                                num_key_value_heads=2, max_position_embeddings=32,
                                tie_word_embeddings=kind == "tied")
     torch.manual_seed(0)

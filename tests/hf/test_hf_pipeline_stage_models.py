@@ -21,12 +21,11 @@ laid out differently are refused, naming the leaf and both layouts. Plain units 
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 import shardfn as sf
+from tests.hf.test_hf_pipeline import hf_model as pipeline_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,21 +33,8 @@ VOCAB, BATCH, SEQ, STEPS, LR, EPS = 64, 4, 8, 2, 1e-2, 1e-6
 
 
 def hf_model(kind: str) -> torch.nn.Module:
-    """A tiny HF causal LM, the same in every process (dropout off)."""
-    t = transformers
-    if kind == "gpt2":
-        config = t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
-                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                              bos_token_id=0, eos_token_id=0)
-    else:
-        config = t.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                               num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, max_position_embeddings=32,
-                               tie_word_embeddings=kind == "tied")
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return t.AutoModelForCausalLM.from_config(config, attn_implementation="eager").train()
+    """A tiny HF causal LM of 2 layers (``test_hf_pipeline``'s), the same in every process."""
+    return pipeline_hf_model(kind, layers=2)
 
 
 def ids() -> torch.Tensor:
