@@ -19,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+import multiprocessing
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -30,7 +32,21 @@ from shardfn.data.order import DataState, LastBatch, batches_left, mix_seed
 from shardfn.data.sampler import MeshSampler
 from shardfn.mesh import AxisName, Mesh
 
-__all__ = ["MeshLoader", "Padded", "loader"]
+__all__ = ["MeshLoader", "Padded", "loader", "worker_context"]
+
+
+def worker_context() -> str | None:
+    """The start method of the loader's workers when none is given: ``"fork"`` on Linux
+    in a process that multiprocessing started with ``spawn`` (it inherits ``spawn`` as
+    its default, and each spawned worker would import torch and shardfn again: tens of
+    seconds on a busy machine); else None, the process's own default.
+
+    Example:
+        >>> worker_context()   # the main process of a script: its default
+    """
+    spawned = multiprocessing.parent_process() is not None and \
+        multiprocessing.get_start_method(allow_none=True) == "spawn"
+    return "fork" if sys.platform.startswith("linux") and spawned else None
 
 
 class Padded(NamedTuple):
@@ -161,7 +177,10 @@ def loader(dataset: Dataset, mesh: Mesh | None = None, *, global_batch: int,
         state: a :class:`DataState` to continue from (``loader.state`` as saved).
         num_workers, collate_fn, pin_memory, **dataloader_kwargs: for the
             ``DataLoader`` (``prefetch_factor``, ``persistent_workers``,
-            ``worker_init_fn``, ``multiprocessing_context``, ``timeout``, ...).
+            ``worker_init_fn``, ``multiprocessing_context``, ``timeout``, ...). With
+            workers and no ``multiprocessing_context``, a process that ``spawn`` started
+            on Linux (a local-world rank, ``torch.multiprocessing.spawn``) starts them
+            with ``"fork"``, torchrun's default there (see :func:`worker_context`).
 
     Returns:
         A :class:`MeshLoader`: ``for batch in it`` runs the rest of the epoch;
@@ -193,6 +212,8 @@ def loader(dataset: Dataset, mesh: Mesh | None = None, *, global_batch: int,
                           accumulation=accumulation)
     sampler = MeshSampler(len(dataset), layout, seed=seed, shuffle=shuffle,
                           last_batch=last_batch, state=state)
+    if num_workers > 0 and dataloader_kwargs.get("multiprocessing_context") is None:
+        dataloader_kwargs["multiprocessing_context"] = worker_context()
     kwargs = dict(num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
                   **dataloader_kwargs)
     return MeshLoader(dataset, layout, sampler, kwargs)
