@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import einops
-import torch
 from torch import nn
 
 from shardfn.mesh import Mesh
@@ -58,7 +56,7 @@ from shardfn.transforms._tp_sequence import PvaryParams, SequenceParallel, Split
 
 __all__ = ["Colwise", "PrepareInput", "PrepareInputOutput", "PrepareOutput", "Replicate",
            "Rowwise", "SequenceParallel", "SplitRNG", "Style", "Vocab", "as_style", "features",
-           "fused_full", "fused_local", "is_conv1d", "leaf_specs", "wrap"]
+           "is_conv1d", "leaf_specs", "wrap"]
 
 
 def check_fields(style: object) -> None:
@@ -268,18 +266,6 @@ def leaf_specs(module: nn.Module, path: str, style: Style, axis: str, tp: int) -
         _divides(path, "out_features / fused", out_features // style.fused,
                  style.n_heads, "n_heads")
     return {"weight": P(None, axis) if conv else P(axis, None), "bias": P(axis)}
-
-
-def fused_local(full: torch.Tensor, parts: int, tp: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s rows of a fused weight: block ``rank`` of each of the ``parts`` parts
-    (what ``sf.FusedLayout.shard_leaf`` cuts)."""
-    split = einops.rearrange(full, "(part tp rows) ... -> part tp rows ...", part=parts, tp=tp)
-    return einops.rearrange(split[:, rank], "part rows ... -> (part rows) ...")
-
-
-def fused_full(gathered: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
-    """Inverse of :func:`fused_local` on the rank-order concatenation of all ranks' rows."""
-    return einops.rearrange(gathered, "(tp part rows) ... -> (part tp rows) ...", part=parts, tp=tp)
 
 
 def wrap(module: nn.Module, style: Style, mesh: Mesh, axis: str, path: str = "") -> nn.Module:

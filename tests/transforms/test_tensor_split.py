@@ -219,13 +219,23 @@ def test_reference_gpt_with_its_plan_equals_unsplit(worlds, n, heads_per_rank, v
 
 
 def test_fused_qkv_rank_holds_whole_heads_of_q_k_and_v():
-    full = torch.arange(3 * 4 * 2).reshape(-1, 1)  # 3 parts x 4 heads x head_dim 2
-    from shardfn.transforms._tp_styles import fused_full, fused_local
+    """``sf.FusedLayout``'s cut, on one process: rank ``r`` holds block ``r`` of each part,
+    against an einops statement of it (the layout's own arithmetic is reshapes)."""
+    import einops
 
-    local = [fused_local(full, 3, 2, r) for r in range(2)]
+    full = torch.arange(3 * 4 * 2).reshape(-1, 1)  # 3 parts x 4 heads x head_dim 2
+    layout = sf.FusedLayout("tp", 3, tuple(full.shape))
+    mesh = sf.Mesh({"tp": 1})
+    assert torch.equal(layout.shard_leaf(full, mesh), full)  # one rank holds every block
+    split = einops.rearrange(full, "(part tp rows) ... -> part tp rows ...", part=3, tp=2)
+    local = [einops.rearrange(split[:, r], "part rows ... -> (part rows) ...") for r in range(2)]
     # rank 1: heads 2 and 3 of q (rows 4..7), of k (rows 12..15) and of v (rows 20..23)
     assert local[1].flatten().tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
-    assert torch.equal(fused_full(torch.cat(local), 3, 2), full)
+    blocks = full.reshape(3, 2, 4, 1)  # what FusedLayout.shard_leaf indexes on 2 ranks
+    assert all(torch.equal(blocks[:, r].reshape(12, 1), local[r]) for r in range(2))
+    joined = einops.rearrange(torch.cat(local), "(tp part rows) ... -> (part tp rows) ...",
+                              part=3, tp=2)
+    assert torch.equal(joined, full)
 
 
 def _comm_on_rank(n: int, b: int, s: int, d: int):
