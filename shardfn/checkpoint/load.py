@@ -190,6 +190,7 @@ def _subtree_labels(subtree: str) -> list[str]:
 def _load(path, like, mesh: Mesh | None, layouts, verify: bool, options: dict):
     """:func:`load` with its options (``within``: the subtree's dotted path, or None)."""
     wait_pending()
+    the_mesh = _mesh(mesh)  # before any collective: a mesh over part of the world raises here
     path = _resolve_path(path)
     group = checkpoint_group()
     rank, world = _world(group)
@@ -200,7 +201,7 @@ def _load(path, like, mesh: Mesh | None, layouts, verify: bool, options: dict):
             _commit.check_sizes(path, manifest, sorted(manifest["files"]))
         reader = VerifyingReader(str(path), manifest if verify else None)
         metadata = reader.read_metadata()
-        entries = resolve(like, layouts, _mesh(mesh), rank)
+        entries = resolve(like, layouts, the_mesh, rank)
         _check_per_rank(entries, manifest, rank, world)
         kept = missing_keys(entries, metadata) if options["missing"] == "keep" else set()
         targets = {e.key: _Target(e, None) for e in entries

@@ -252,13 +252,13 @@ def save(path: str | os.PathLike, state, mesh: Mesh | None = None, layouts=None,
     _check_mode(mode)
     check_codec(compression)
     final = _commit.step_path(path, step) if step is not None else str(path)
+    the_mesh = _mesh(mesh)  # before any collective: a mesh over part of the world raises here
     group = checkpoint_group()
     rank, world = _world(group)
     prepared: tuple[Any, Any, dict[str, int]] = (None, None, {})
     info: dict[str, Any] = {}
     source = state
     with local() as outcome:  # the only part an async save runs before returning
-        the_mesh = _mesh(mesh)
         info = {"step": step, "world_size": world, "mesh": None if the_mesh is None else
                 dict(zip(the_mesh.axis_names, the_mesh.shape, strict=True))}
         if async_:  # the staging copy, and nothing else: layouts are read in the background

@@ -73,3 +73,34 @@ def test_structure_difference_names_both_sides():
     assert diff(spec({f"k{i}": 0 for i in range(9)}), spec({}), limit=2) == \
         "unexpected: k0, k1 and 7 more"
     assert diff(spec((1, 2)), spec([1, 2])).startswith("the same leaf names")
+
+
+def _save_on_half_the_world(path: str):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank >= 2:  # these ranks never call save
+        return None
+    # a mesh of its own (a mesh over ranks [0, 1] would make a process group on those two
+    # only, which the persistent world's later groups would not agree with)
+    mesh = sf.Mesh({"dp": 1}, ranks=[rank])
+    try:
+        sf.checkpoint.save(path, {"x": torch.ones(2)}, mesh)
+    except ValueError as error:
+        save_error = str(error)
+    try:
+        sf.checkpoint.load(path, {"x": torch.ones(2)}, mesh)
+    except ValueError as error:
+        return save_error, str(error)
+    return save_error, None
+
+
+def test_a_mesh_over_part_of_the_world_is_refused_at_once(worlds, tmp_path):
+    """Ranks 0 and 1 save on meshes of their own while ranks 2 and 3 do not call: refused
+    before any collective, naming both sizes (was: waiting for the other ranks in the
+    checkpoint's first collective until the world's timeout)."""
+    results = worlds(4).run(_save_on_half_the_world, str(tmp_path / "ck"))
+    assert results[2:] == [None, None]
+    for save_error, load_error in results[:2]:
+        for message in (save_error, load_error):
+            assert "spans 1 of the world's 4 ranks; save/load run on every rank" in message
