@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardfn.transforms.pipeline.stage import ModelUnits
+from shardfn.transforms.pipeline.stage import ModelUnits, run_units
 
 __all__ = ["PathCall", "named_stage_module"]
 
@@ -73,11 +73,7 @@ class _RunsUnits:
     """Mixed in before the root's class: the mirror's forward runs the stage's units."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        first, *rest = self.__dict__["_shardfn_units"]
-        x = first(*args, **kwargs)  # stage 0: the batch's positional and keyword inputs
-        for unit in rest:
-            x = unit(x)
-        return x
+        return run_units(self.__dict__["_shardfn_units"], *args, **kwargs)
 
 
 @functools.cache

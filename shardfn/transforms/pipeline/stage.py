@@ -39,7 +39,8 @@ from shardfn.transforms.pipeline.batch import call_unit
 from shardfn.transforms.pipeline.schedules import stage_rank
 
 __all__ = ["ModelUnits", "Stage", "StagePlan", "as_units", "check_balance", "model_units",
-           "place_stages", "plan_stages", "resolve_balance", "stage_module", "unit_leaf_names"]
+           "place_stages", "plan_stages", "resolve_balance", "run_units", "stage_module",
+           "unit_leaf_names"]
 
 Params = dict[str, torch.Tensor]
 
@@ -167,16 +168,21 @@ class StagePlan:
         return x, buffers
 
 
+def run_units(units: Sequence[nn.Module], *args: Any, **kwargs: Any) -> Any:
+    """Run ``units`` in turn: the first takes every positional and keyword input (a
+    pipeline's several inputs per micro-batch), the rest the previous one's output."""
+    first, *rest = units
+    x = first(*args, **kwargs)
+    for unit in rest:
+        x = unit(x)
+    return x
+
+
 class UnitSequence(nn.Sequential):
-    """An ``nn.Sequential`` whose first unit takes every positional and keyword input (a
-    pipeline's several inputs per micro-batch), the rest one value each, in turn."""
+    """An ``nn.Sequential`` whose forward is :func:`run_units` over its children."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        first, *rest = self
-        x = first(*args, **kwargs)
-        for unit in rest:
-            x = unit(x)
-        return x
+        return run_units(tuple(self), *args, **kwargs)
 
 
 def stage_module(units: Sequence[nn.Module], stage: Stage) -> nn.Sequential:
