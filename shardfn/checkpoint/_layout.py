@@ -148,9 +148,8 @@ def _child_source(source, label: str):
 
 def _boxes_of(name: str, x: torch.Tensor, spec, mesh: Mesh | None) -> _Placed:
     """The global shape and boxes of tensor leaf ``x`` under a Layout/P/FusedLayout/None."""
-    if mesh is None and isinstance(spec, (Layout, P)) and not any(  # replicated: no mesh
-            p is not None for p in (spec.spec if isinstance(spec, Layout) else spec)):
-        spec = None
+    if mesh is None and isinstance(spec, (Layout, P)) and not spec_axes(spec):
+        spec = None  # replicated: no mesh needed
     if spec is None:
         return _Placed(tuple(x.shape), (Box((0,) * x.dim(), (0,) * x.dim(), tuple(x.shape)),),
                        True)
