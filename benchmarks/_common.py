@@ -18,9 +18,12 @@ Example (one extra row, in the benchmark script):
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import platform
 import statistics
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping
@@ -30,13 +33,17 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "BenchOutput",
     "MiB",
+    "Table",
     "all_ok",
     "max_over_ranks",
     "Registry",
     "Result",
     "System",
+    "machine",
     "machine_info",
+    "parse_markdown_table",
     "markdown_table",
     "rel_diff",
     "round_order",
@@ -305,20 +312,168 @@ MALLOC_CACHE_ENV = {
 }
 
 
-def machine_info() -> str:
-    """One line: torch version, CPU model and core count, Python, OS."""
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def machine() -> dict[str, Any]:
+    """This machine as the report's one line shows it: CPU model, cores, memory, OS, torch.
+
+    Example:
+        >>> sorted(machine())
+        ['cores', 'cpu', 'memory_gib', 'os', 'python', 'torch']
+    """
     model = platform.processor() or "unknown CPU"
+    memory_gib = None
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
                     model = line.split(":", 1)[1].strip()
                     break
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    memory_gib = round(int(line.split()[1]) / 2**20, 1)
+                    break
     except OSError:
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"torch {torch.__version__}, {cores} cores ({model}), Python "
-            f"{platform.python_version()}, {platform.system()} {platform.release()}")
+    return {"cpu": model, "cores": cores, "memory_gib": memory_gib,
+            "os": f"{platform.system()} {platform.release()}", "torch": torch.__version__,
+            "python": platform.python_version()}
+
+
+def machine_info() -> str:
+    """One line: torch version, CPU model and core count, memory, Python, OS."""
+    m = machine()
+    memory = f", {m['memory_gib']} GiB" if m["memory_gib"] else ""
+    return (f"torch {m['torch']}, {m['cores']} cores ({m['cpu']}){memory}, Python "
+            f"{m['python']}, {m['os']}")
+
+
+class Table(NamedTuple):
+    """One table of a benchmark's results, as the report shows it.
+
+    Attributes:
+        header: the column titles.
+        rows: the cells, as text (the benchmark formats its numbers).
+        caption: a sentence above the table (what it shows, how it was measured).
+        ratio: the title of the column holding each row's ratio to its peer, or None.
+        peer: what that ratio divides by ("torch DDP").
+        quantity: what the ratio compares ("step time", "bytes sent"); a time ratio
+            (lower is better) is drawn in the report's ratio plot.
+        label: the columns whose cells, joined, name a row in the summary and plots.
+        labels: the rows' names, given outright (instead of ``label``).
+    """
+
+    header: list[str]
+    rows: list[list[str]]
+    caption: str = ""
+    ratio: str | None = None
+    peer: str = ""
+    quantity: str = ""
+    label: tuple[int, ...] = (0,)
+    labels: list[str] | None = None
+
+
+def parse_markdown_table(text: str) -> tuple[list[str], list[list[str]]]:
+    """The header cells and the rows of cells of the one markdown table in ``text``.
+
+    Example:
+        >>> parse_markdown_table("| a | b |\n|---|---:|\n| x | 1.0 |")
+        (['a', 'b'], [['x', '1.0']])
+    """
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    if len(cells) < 2 or not all(line.startswith("|") for line in lines):
+        raise ValueError(f"not a markdown table: {text[:80]!r}")
+    return cells[0], cells[2:]
+
+
+class BenchOutput:
+    """What a benchmark shows a reader: its setup, tables, notes and plots.
+
+    Each call prints as before (the console stays readable) and records the piece;
+    :meth:`save` writes them as JSON for ``benchmarks/report.py``, which renders the
+    report from them. Paths are recorded relative to the repository, never absolute.
+
+    Example:
+        >>> out = BenchOutput("dp")
+        >>> out.setup("model: 2 blocks")
+        model: 2 blocks
+        >>> out.table("| system | ratio to DDP |\n|---|---:|\n| ZeRO-1 | 0.97 |",
+        ...           ratio="ratio to DDP", peer="torch DDP", quantity="step time")
+        | system | ratio to DDP |
+        |---|---:|
+        | ZeRO-1 | 0.97 |
+        >>> out.record()["tables"][0]["rows"]
+        [['ZeRO-1', '0.97']]
+    """
+
+    def __init__(self, bench: str, argv: list[str] | None = None) -> None:
+        self.bench = bench
+        argv = sys.argv if argv is None else argv
+        script = os.path.relpath(os.path.abspath(argv[0]), ROOT) if argv else f"bench_{bench}.py"
+        self.command = " ".join(["python", script, *_public_args(argv[1:])])
+        self.setups: list[str] = []
+        self.tables: list[Table] = []
+        self.notes: list[str] = []
+        self.plots: list[dict[str, str]] = []
+
+    def setup(self, text: str) -> None:
+        """A sentence on what was run (model, ranks, steps)."""
+        print(text, flush=True)
+        self.setups.append(text.strip())
+
+    def table(self, markdown: str, caption: str = "", **meta: Any) -> None:
+        """A markdown table; ``meta``: the :class:`Table` fields after ``caption``."""
+        if caption:
+            print(f"\n{caption}\n")
+        print(markdown, flush=True)
+        header, rows = parse_markdown_table(markdown)
+        self.tables.append(Table(header, rows, caption.strip(), **meta))
+
+    def note(self, text: str) -> None:
+        """A sentence after the tables (formulas, totals)."""
+        print(text, flush=True)
+        self.notes.append(text.strip())
+
+    def plot(self, path: str, caption: str) -> None:
+        """A figure the benchmark drew (``path`` under the repository)."""
+        relative = os.path.relpath(os.path.abspath(path), ROOT)
+        print(f"wrote {relative}", flush=True)
+        self.plots.append({"path": relative, "caption": caption})
+
+    def record(self) -> dict[str, Any]:
+        """The recorded pieces as one JSON-ready dict."""
+        return {"bench": self.bench, "command": self.command, "setup": self.setups,
+                "tables": [t._asdict() for t in self.tables], "notes": self.notes,
+                "plots": self.plots, "date": datetime.date.today().isoformat()}
+
+    def save(self, path: str | None) -> None:
+        """Write :meth:`record` to ``path`` (nothing when it is None)."""
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(self.record(), f, indent=1)
+
+
+def _public_args(args: list[str]) -> list[str]:
+    """The command-line arguments a reader can repeat: ``--results FILE`` (a temporary
+    file of report.py) dropped, paths under the repository made relative."""
+    shown, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        if arg == "--results":
+            skip = True
+            continue
+        if arg.startswith("--results="):
+            continue
+        if os.path.isabs(arg) and arg.startswith(ROOT):
+            arg = os.path.relpath(arg, ROOT)
+        shown.append(arg)
+    return shown
 
 
 def write_json(path: str | None, bench: str, results: list[Result], reference: str | None,

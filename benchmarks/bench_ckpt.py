@@ -34,6 +34,7 @@ if importlib.util.find_spec("shardfn") is None:  # run from a checkout without `
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _common import BenchOutput
 from torch import nn
 
 MiB = 1 << 20
@@ -200,6 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--results", default=None,
+                        help="also write the tables as JSON here (benchmarks/report.py)")
     args = parser.parse_args(argv)
     from shardfn.testing import local_world
 
@@ -210,34 +213,51 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     psi = out[0]["params"]
-    print(f"$ {' '.join([os.path.relpath(sys.executable), *sys.argv])}")
-    print(f"model: {psi / 1e6:.2f}M params + AdamW state, fp32; {args.ranks} ranks; "
-          f"{args.reps} interleaved repetitions; rank 0's times, barrier to barrier: median "
-          "(p25-p75); ratios: median (p25-p75) of the per-repetition ratios\n")
+    report = BenchOutput("ckpt")
+    print(f"$ {report.command}")
+    report.setup(f"Model: {psi / 1e6:.2f}M params + AdamW state, fp32; {args.ranks} ranks; "
+                 f"{args.reps} interleaved repetitions.")
     t = out[0]["times"]
-    print("| | torch DCP + FSDP2 | sf.checkpoint (ZeRO-3) | ratio sf/torch |")
-    print("|---|---:|---:|---:|")
+    lines = ["| | torch DCP + FSDP2 | sf.checkpoint (ZeRO-3) | ratio sf/torch |",
+             "|---|---:|---:|---:|"]
     for what in ("save", "load"):
-        print(f"| {what} (s) | {_cell(t[f'torch {what}'])} | {_cell(t[f'sf {what}'])} | "
-              f"{_ratio(t, f'sf {what}', f'torch {what}')} |")
+        lines.append(f"| {what} (s) | {_cell(t[f'torch {what}'])} | {_cell(t[f'sf {what}'])} "
+                     f"| {_ratio(t, f'sf {what}', f'torch {what}')} |")
+    sizes = ["| | torch DCP + FSDP2 | sf.checkpoint (ZeRO-3) | ratio sf/torch |",
+             "|---|---:|---:|---:|"]
     for r, o in enumerate(out):
-        print(f"| bytes written, rank {r} (MiB) | {o['sizes']['torch'] / MiB:.1f} | "
-              f"{o['sizes']['sf'] / MiB:.1f} | {o['sizes']['sf'] / o['sizes']['torch']:.3f} |")
-    print("\nAsync save: how long it blocks the caller, against the staging-copy baseline: a "
-          "fresh CPU copy of every tensor of the local state (`x.to(\"cpu\", copy=True)`, "
-          "which allocates). The async save copies into CPU buffers kept from its previous "
-          "call (no allocation); its first call allocates them (first row).\n")
-    print("| | staging copy (fresh) | sf async save, blocking | ratio async/copy |")
-    print("|---|---:|---:|---:|")
+        sizes.append(f"| bytes written, rank {r} (MiB) | {o['sizes']['torch'] / MiB:.1f} | "
+                     f"{o['sizes']['sf'] / MiB:.1f} | "
+                     f"{o['sizes']['sf'] / o['sizes']['torch']:.3f} |")
+    report.table("\n".join(lines),
+                 "Save and load of the ZeRO-3 state, rank 0's times barrier to barrier: median "
+                 "(p25–p75); ratios: median (p25–p75) of the per-repetition ratios.",
+                 ratio="ratio sf/torch", peer="torch DCP + FSDP2", quantity="time",
+                 labels=["sf.checkpoint save", "sf.checkpoint load"])
+    report.table("\n".join(sizes), "Bytes each rank writes.",
+                 ratio="ratio sf/torch", peer="torch DCP + FSDP2", quantity="bytes written",
+                 labels=[f"sf.checkpoint bytes written, rank {r}" for r in range(len(out))])
     first_async, first_copy = t["sf async (blocking)"][0], t["staging copy"][0]
-    print(f"| first call (s) | {first_copy:.4f} | {first_async:.4f} | "
-          f"{first_async / first_copy:.2f} |")
+    lines = ["| | staging copy (fresh) | sf async save, blocking | ratio async/copy |",
+             "|---|---:|---:|---:|",
+             f"| first call (s) | {first_copy:.4f} | {first_async:.4f} | "
+             f"{first_async / first_copy:.2f} |"]
     if args.reps > 1:
-        print(f"| async save, blocking, later calls (s) | {_cell(t['staging copy'][1:])} | "
-              f"{_cell(t['sf async (blocking)'][1:])} | "
-              f"{_ratio(t, 'sf async (blocking)', 'staging copy', skip=1)} |")
-    print(f"\nsf async save done after {_cell(t['sf async (total)'])} s; sf load without "
-          f"checksum verification: {_cell(t['sf load (no verify)'])} s.")
+        lines.append(f"| async save, blocking, later calls (s) | {_cell(t['staging copy'][1:])} "
+                     f"| {_cell(t['sf async (blocking)'][1:])} | "
+                     f"{_ratio(t, 'sf async (blocking)', 'staging copy', skip=1)} |")
+    report.table("\n".join(lines),
+                 "Async save: how long it blocks the caller, against the staging-copy "
+                 "baseline: a fresh CPU copy of every tensor of the local state "
+                 "(`x.to(\"cpu\", copy=True)`, which allocates). The async save copies into "
+                 "CPU buffers kept from its previous call (no allocation); its first call "
+                 "allocates them (first row).",
+                 ratio="ratio async/copy", peer="a fresh staging copy", quantity="blocking time",
+                 labels=["sf async save, first call", "sf async save, later calls"][
+                     :len(lines) - 2])
+    report.note(f"sf async save done after {_cell(t['sf async (total)'])} s; sf load without "
+                f"checksum verification: {_cell(t['sf load (no verify)'])} s.")
+    report.save(args.results)
 
 
 if __name__ == "__main__":

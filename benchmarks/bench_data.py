@@ -43,7 +43,7 @@ if importlib.util.find_spec("shardfn") is None:  # run from a checkout without `
 
 import torch
 import torch.distributed as dist
-from _common import round_order
+from _common import BenchOutput, round_order
 
 VOCAB, SEQ, GLOBAL_BATCH = 96, 64, 16  # examples/demo.py: its 96 characters, --seq, --batch
 TOKENS = 2_000_000  # 4 MB of uint16 ids, 31,249 windows
@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="demo steps per round")
     parser.add_argument("--batches", type=int, default=200, help="loader batches per round")
     parser.add_argument("--quick", action="store_true", help="3 rounds of fewer batches")
+    parser.add_argument("--results", default=None,
+                        help="also write the tables as JSON here (benchmarks/report.py)")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.batches = 3, 3, 50
@@ -216,14 +218,20 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     o = out[0]
-    print(f"$ {' '.join([os.path.relpath(sys.executable), *sys.argv])}")
-    print(f"{args.ranks} ranks, 1 thread each; a TokenFile of {TOKENS:,} uint16 ids "
-          f"({TOKENS * 2 / 2**20:.1f} MiB, {o['windows']:,} windows of {SEQ}); global batch "
-          f"{GLOBAL_BATCH}, {o['local']} x {SEQ} tokens per rank; {args.rounds} rounds after "
-          f"{args.warmup} warm-up, each: {args.steps} demo steps and {args.batches} batches of "
-          f"every loader, rotating order, barrier to barrier (rank 0's clock); "
-          f"{time.perf_counter() - start:.0f} s in all\n")
-    print(table(o["rates"]))
+    report = BenchOutput("data")
+    print(f"$ {report.command}")
+    report.setup(f"{args.ranks} ranks, 1 thread each; a TokenFile of {TOKENS:,} uint16 ids "
+                 f"({TOKENS * 2 / 2**20:.1f} MiB, {o['windows']:,} windows of {SEQ}); "
+                 f"global batch {GLOBAL_BATCH}, {o['local']} x {SEQ} tokens per rank; "
+                 f"{args.rounds} rounds after {args.warmup} warm-up, each: {args.steps} demo "
+                 f"steps and {args.batches} batches of every loader, rotating order, barrier "
+                 f"to barrier (rank 0's clock); {time.perf_counter() - start:.0f} s in all.")
+    report.table(table(o["rates"]),
+                 "Tokens per second per rank that each loader delivers, against what the demo's "
+                 "training step consumes and against torch's DataLoader with as many workers "
+                 "(median and p25–p75 of the per-round ratios).",
+                 ratio="sf / torch", peer="torch DataLoader, same workers", quantity="tokens/s")
+    report.save(args.results)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _common import (
     MALLOC_CACHE_ENV,
+    BenchOutput,
     MiB,
     Registry,
     System,
@@ -695,6 +696,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"systems to run, in table order (all: {list(SYSTEMS.entries)})")
     parser.add_argument("--quick", action="store_true", help="tiny model: a smoke test")
     parser.add_argument("--json", default=None, help="also write the results here (report.py)")
+    parser.add_argument("--results", default=None,
+                        help="also write the tables as JSON here (benchmarks/report.py)")
     parser.add_argument("--breakdown", action="store_true",
                         help="instead of the table, time the phases of the shardfn steps "
                              "(best of --warmup + --steps repetitions)")
@@ -717,15 +720,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.malloc_cache:  # read by glibc when the spawned ranks start
         os.environ.update(MALLOC_CACHE_ENV)
     malloc = " ".join(f"{k}={os.environ[k]}" for k in MALLOC_CACHE_ENV if k in os.environ)
-    command = " ".join([os.path.relpath(sys.executable), *sys.argv])
-    print(f"$ {command}")
+    out = BenchOutput("dp")
+    print(f"$ {out.command}")
     print(machine_info())
-    print(f"model: {cfg.blocks} blocks, d={cfg.d}, hidden={cfg.hidden}, {psi / 1e6:.2f}M params "
-          f"({psi * 4 / MiB:.1f} MiB fp32); global batch {cfg.batch}x{cfg.tokens}x{cfg.d}; "
-          f"AdamW(lr={cfg.lr}, wd={cfg.weight_decay}); {args.ranks} ranks, "
-          f"{args.warmup}+{args.steps} steps per system, interleaved; malloc: "
-          f"{malloc or 'glibc defaults'}; ranks "
-          f"{'pinned to a core each' if args.pin else 'unpinned'}", flush=True)
+    out.setup(f"Model: {cfg.blocks} blocks, d={cfg.d}, hidden={cfg.hidden}, "
+              f"{psi / 1e6:.2f}M params ({psi * 4 / MiB:.1f} MiB fp32); global batch "
+              f"{cfg.batch}x{cfg.tokens}x{cfg.d}; AdamW(lr={cfg.lr}, wd={cfg.weight_decay}); "
+              f"{args.ranks} ranks, {args.warmup}+{args.steps} steps per system, interleaved; "
+              f"malloc: {malloc or 'glibc defaults'}; ranks "
+              f"{'pinned to a core each' if args.pin else 'unpinned'}.")
     if args.breakdown or args.breakdown_zero3:
         fn = rank_breakdown if args.breakdown else rank_breakdown_zero3
         with local_world(args.ranks, timeout=600.0, check=False) as world:
@@ -740,14 +743,19 @@ def main(argv: list[str] | None = None) -> None:
     results, seconds = outputs[0]
     reference = "ddp" if "ddp" in args.systems else args.systems[0]
     print()
-    print(markdown_table(results, reference, psi))
+    out.table(markdown_table(results, reference, psi),
+              "Step time on rank 0 between barriers (median, p25–p75 and min over the timed "
+              "steps), memory per rank (max over ranks) and the parameters' largest relative "
+              "difference from DDP's after the run.",
+              ratio="ratio to DDP", peer=SYSTEMS.label(reference), quantity="step time")
     write_json(args.json, "dp", results, reference, num_params=psi, ranks=args.ranks)
     zero_formula = (4 + 4 + 8 / args.ranks) * psi
-    print(f"\nZeRO-1 formula 4Ψ+4Ψ+8Ψ/N = {zero_formula / MiB:.0f} MiB "
-          f"({zero_formula / psi:.0f} B/param); ZeRO-2 4Ψ+(4Ψ+8Ψ)/N = "
-          f"{(4 + 12 / args.ranks) * psi / MiB:.0f} MiB; ring volume 2Ψ(N-1)/N = "
-          f"{2 * 4 * psi * (args.ranks - 1) / args.ranks / MiB:.1f} MiB/step. "
-          f"Run took {seconds:.0f} s.")
+    out.note(f"ZeRO-1 formula 4Ψ+4Ψ+8Ψ/N = {zero_formula / MiB:.0f} MiB "
+             f"({zero_formula / psi:.0f} B/param); ZeRO-2 4Ψ+(4Ψ+8Ψ)/N = "
+             f"{(4 + 12 / args.ranks) * psi / MiB:.0f} MiB; ring volume 2Ψ(N-1)/N = "
+             f"{2 * 4 * psi * (args.ranks - 1) / args.ranks / MiB:.1f} MiB/step.")
+    print(f"Run took {seconds:.0f} s.")
+    out.save(args.results)
 
 
 if __name__ == "__main__":

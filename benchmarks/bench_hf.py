@@ -56,7 +56,7 @@ if importlib.util.find_spec("shardfn") is None:  # run from a checkout without `
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
-from _common import MiB, Result, machine_info, max_over_ranks, run_interleaved
+from _common import BenchOutput, MiB, Result, machine_info, max_over_ranks, run_interleaved
 from _hf_systems import QUICK, SYSTEMS, Config, Context, make_hf
 from bench_pp import paired_ratio
 
@@ -131,9 +131,10 @@ def table(results: dict, checks: dict) -> str:
 
 
 def details(results: dict, checks: dict) -> str:
-    """Per system: the collectives of its counted step and its memory per rank."""
-    lines = ["collectives of the counted step on rank 0 (calls x op: KiB sent) and memory "
-             "per rank (params + grads + optimizer state, KiB):"]
+    """Per system: the collectives of its counted step and its memory per rank (a table)."""
+    lines = ["| system | collectives of the counted step, rank 0 (calls x op: KiB sent) "
+             "| sf.comm_stats (op: KiB) | memory per rank p + g + opt (KiB) |",
+             "|---|---|---|---|"]
     for r in (r for group in results.values() for r in group):
         check = checks.get(r.key, {})
         ops = ", ".join(f"{calls} x {op}: {nbytes / 1024:.1f}" for op, (calls, nbytes)
@@ -141,8 +142,7 @@ def details(results: dict, checks: dict) -> str:
         own = ", ".join(f"{op}: {nbytes / 1024:.1f}" for op, nbytes
                         in sorted((check.get("comm_stats_by_op") or {}).items()))
         memory = " + ".join(f"{v / 1024:.0f}" for v in r.memory.values())
-        lines.append(f"  {r.key:15s} {ops or '—'}{f' (sf.comm_stats: {own})' if own else ''}; "
-                     f"memory {memory or '—'}")
+        lines.append(f"| {r.label} | {ops or '—'} | {own or '—'} | {memory or '—'} |")
     return "\n".join(lines)
 
 
@@ -157,6 +157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--wrong", action="store_true",
                         help="add a deliberately wrong ZeRO-3 row (gradients summed, not "
                              "averaged) to show the gradient column catches it")
+    parser.add_argument("--results", default=None,
+                        help="also write the tables as JSON here (benchmarks/report.py)")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
@@ -171,20 +173,29 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = QUICK if args.quick else Config()
     n_params = sum(p.numel() for p in make_hf(cfg).parameters())
-    print(f"$ {' '.join([os.path.relpath(sys.executable), *sys.argv])}")
+    out = BenchOutput("hf")
+    print(f"$ {out.command}")
     print(machine_info())
-    print(f"model: HF LlamaForCausalLM, {cfg.layers} layers, d={cfg.hidden}, {cfg.heads} heads "
-          f"({cfg.kv_heads} kv), mlp {cfg.intermediate}, vocab {cfg.vocab}, sdpa: "
-          f"{n_params / 1e6:.2f}M params; batch {cfg.batch}x{cfg.seq} tokens (ZeRO-3: split "
-          f"over the ranks), {cfg.microbatches} micro-batches (pp); {args.ranks} ranks, "
-          f"{args.warmup}+{args.steps} steps per system, interleaved", flush=True)
+    out.setup(f"Model: HF LlamaForCausalLM, {cfg.layers} layers, d={cfg.hidden}, {cfg.heads} "
+              f"heads ({cfg.kv_heads} kv), mlp {cfg.intermediate}, vocab {cfg.vocab}, sdpa: "
+              f"{n_params / 1e6:.2f}M params; batch {cfg.batch}x{cfg.seq} tokens (ZeRO-3: "
+              f"split over the ranks), {cfg.microbatches} micro-batches (pp); {args.ranks} "
+              f"ranks, {args.warmup}+{args.steps} steps per system, interleaved.")
     with local_world(args.ranks, timeout=600.0, check=False) as world:
         results, checks, seconds = world.run(bench_hf.rank_main, args)[0]
     print()
-    print(table(results, checks))
-    print()
-    print(details(results, checks))
+    out.table(table(results, checks),
+              "Each comparison: torch's system first, then shardfn's on the same model, "
+              "batches and split: step time on rank 0, CPU time per rank, bytes sent per rank "
+              "per step (counted at the process group, and by sf.comm_stats), memory per rank, "
+              "the first loss (HF's own in brackets) and the parameters' relative difference "
+              "from torch's.",
+              ratio="ratio sf/torch", peer="torch's system of the same comparison",
+              quantity="step time", label=(1,))
+    out.table(details(results, checks),
+              "The collectives of the counted step on rank 0 and the memory per rank.")
     print(f"\nRun took {seconds:.0f} s.")
+    out.save(args.results)
 
 
 if __name__ == "__main__":

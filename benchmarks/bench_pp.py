@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _common import (
     MALLOC_CACHE_ENV,
+    BenchOutput,
     Registry,
     System,
     machine_info,
@@ -387,6 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--img-dir", default=None,
                         help="where the timeline PNGs go (default docs/img; --quick: a "
                              "temporary directory)")
+    parser.add_argument("--results", default=None,
+                        help="also write the tables as JSON here (benchmarks/report.py)")
     args = parser.parse_args(argv)
     if args.img_dir is None:
         args.img_dir = tempfile.mkdtemp(prefix="bench_pp_") if args.quick else str(IMG_DIR)
@@ -405,19 +408,26 @@ def main(argv: list[str] | None = None) -> None:
     if args.malloc_cache:  # read by glibc when the spawned ranks start
         os.environ.update(MALLOC_CACHE_ENV)
     malloc = " ".join(f"{k}={os.environ[k]}" for k in MALLOC_CACHE_ENV if k in os.environ)
-    print(f"$ {' '.join([os.path.relpath(sys.executable), *sys.argv])}")
+    out = BenchOutput("pp")
+    print(f"$ {out.command}")
     print(machine_info())
-    print(f"malloc: {malloc or 'glibc defaults'}")
-    print(f"model: {cfg.blocks} blocks + projection, d={cfg.d}, hidden={cfg.hidden}, "
-          f"{n_params / 1e6:.2f}M params; batch {cfg.batch}x{cfg.tokens}x{cfg.d}, "
-          f"{cfg.microbatches} micro-batches; {args.ranks} ranks; {args.warmup}+{args.steps} "
-          "steps per system, interleaved; a step = forward + backward, no optimizer",
-          flush=True)
+    out.setup(f"Model: {cfg.blocks} blocks + projection, d={cfg.d}, hidden={cfg.hidden}, "
+              f"{n_params / 1e6:.2f}M params; batch {cfg.batch}x{cfg.tokens}x{cfg.d}, "
+              f"{cfg.microbatches} micro-batches; {args.ranks} ranks; "
+              f"{args.warmup}+{args.steps} steps per system, interleaved; a step = forward + "
+              f"backward, no optimizer; malloc: {malloc or 'glibc defaults'}.")
     with local_world(args.ranks, timeout=900.0, check=False) as world:
         results, bubbles, seconds, balance, balance_v = world.run(rank_main, args)[0]
-    print(f"\nstages balanced by parameter count: {list(balance)} (interleaved, "
-          f"{cfg.virtual} per rank: {list(balance_v)})\n")
-    print(table(results, bubbles, cfg, args.ranks))
+    out.setup(f"Stages balanced by parameter count: {list(balance)} (interleaved, "
+              f"{cfg.virtual} per rank: {list(balance_v)}).")
+    out.table(table(results, bubbles, cfg, args.ranks),
+              "Each shardfn schedule against torch's on the same stages, run back to back in "
+              "every round: step time on rank 0, the median of the per-round ratios, the "
+              "pipeline bubble measured on the last step's timeline beside the textbook "
+              "value and a simulation with the measured forward/backward times, and the "
+              "gradients' largest relative difference from torch GPipe's.",
+              ratio="ratio to torch", peer="torch.distributed.pipelining, same schedule",
+              quantity="step time", label=(1,))
     if args.detail:
         print("\nper rank, median over steps of the step's summed F / B / W / recv-wait ms:")
         for key, info in bubbles.items():
@@ -425,8 +435,11 @@ def main(argv: list[str] | None = None) -> None:
                                                    for k in ("F", "B", "W", "recv"))
                               for r in range(args.ranks))
             print(f"  {key:16s} {cells}")
-    pngs = sorted(info["png"] for info in bubbles.values() if "png" in info)
-    print(f"\ntimelines of the last step: {', '.join(pngs)}\nRun took {seconds:.0f} s.")
+    for key, info in bubbles.items():
+        if "png" in info:
+            out.plot(info["png"], f"{SYSTEMS.label(key)}: the last step's timeline")
+    print(f"Run took {seconds:.0f} s.")
+    out.save(args.results)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ step. The formulas (Rajbhandari et al., ZeRO, 2020, with fp32 everywhere:
 | ZeRO-3 | 4Ψ/N | 4Ψ/N | 8Ψ/N | 3·4Ψ(N-1)/N |
 
 Run: .venv/bin/python benchmarks/bench_scaling.py [--json out.json] [--plots docs/img]
+[--results out.json]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ if importlib.util.find_spec("shardfn") is None:  # run from a checkout without `
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
-from _common import MiB, machine_info, storage_bytes
+from _common import BenchOutput, MiB, machine_info, storage_bytes
 from torch import nn
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3")
@@ -139,44 +140,6 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict, folder: str) -> list[str]:
-    """Two PNGs: memory per rank and bytes sent per step against N, measured vs formula."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(folder, exist_ok=True)
-    paths = []
-    for what, title, name in (("memory", "params + grads + AdamW state per rank",
-                               "scaling_memory.png"),
-                              ("sent", "bytes sent per rank per step", "scaling_comm.png")):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for i, strategy in enumerate(STRATEGIES):
-            rows = [r for r in result["rows"] if r["strategy"] == strategy]
-            ns = [r["n"] for r in rows]
-
-            def value(part, what=what):
-                if what == "sent":
-                    return part["sent"] / MiB
-                return (part["params"] + part["grads"] + part["opt_state"]) / MiB
-
-            color = f"C{i}"
-            ax.plot(ns, [value(r["formula"]) for r in rows], "--", color=color, alpha=0.6)
-            ax.plot(ns, [value(r["measured"]) for r in rows], "o-", color=color, label=strategy)
-        ax.set_xlabel("ranks N")
-        ax.set_ylabel("MiB")
-        ax.set_xticks(list(WORLDS))
-        ax.set_title(f"{title}\n(dots: measured, dashes: ZeRO formula)")
-        ax.legend()
-        fig.tight_layout()
-        path = os.path.join(folder, name)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--d", type=int, default=128)
@@ -184,18 +147,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--plots", default=None, help="folder for the PNGs")
     parser.add_argument("--quick", action="store_true", help="a smaller model")
+    parser.add_argument("--results", default=None,
+                        help="also write the table as JSON here (benchmarks/report.py)")
     args = parser.parse_args(argv)
     d, blocks = (32, 2) if args.quick else (args.d, args.blocks)
     result = run(d, blocks)
+    out = BenchOutput("scaling")
     print(machine_info())
-    print(f"model: {blocks} blocks of d={d} ({result['num_params']:,} parameters)\n")
-    print(table(result))
+    out.setup(f"Model: {blocks} blocks of d={d} ({result['num_params']:,} parameters); one "
+              f"AdamW step of each strategy on {', '.join(map(str, WORLDS))} ranks; the "
+              "largest value over the ranks.")
+    out.table(table(result),
+              "Memory per rank and bytes sent per step, measured, beside the ZeRO formulas "
+              "(fp32: Ψ parameters of 4 bytes, Adam's two moments 8Ψ).",
+              ratio="ratio", peer="ZeRO formula", quantity="memory per rank",
+              labels=[f"{r['strategy']}, N={r['n']}" for r in result["rows"]])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if args.plots:
-        for path in plot(result, args.plots):
-            print(f"wrote {path}")
+        from _plots import scaling_plots
+
+        for path, caption in zip(scaling_plots(out.tables[0].rows, args.plots),
+                                 ("memory per rank", "bytes sent per step"), strict=True):
+            out.plot(path, caption)
+    out.save(args.results)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ import einops
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import MiB, all_ok, machine_info, max_over_ranks, rel_diff, storage_bytes
+from _common import BenchOutput, MiB, all_ok, machine_info, max_over_ranks, rel_diff, storage_bytes
 from bench_dp import Config as MLPConfig
 from bench_dp import MLPModel
 from torch import nn
@@ -573,6 +573,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", default=list(PLANS), choices=list(PLANS),
                         help="which models, in table order")
     parser.add_argument("--quick", action="store_true", help="tiny models and 1+3 steps")
+    parser.add_argument("--results", default=None,
+                        help="also write the tables as JSON here (benchmarks/report.py)")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
@@ -584,16 +586,25 @@ def main(argv: list[str] | None = None) -> None:
     from shardfn.testing import local_world
 
     settings = QUICK if args.quick else FULL
-    print(f"$ {' '.join([os.path.relpath(sys.executable), *sys.argv])}")
+    out = BenchOutput("tp")
+    print(f"$ {out.command}")
     print(machine_info())
-    print(f"mlp: {settings.mlp}; gpt: {settings.gpt}; AdamW(lr={settings.lr}, "
-          f"wd={settings.weight_decay}); {args.ranks} ranks (tp={args.ranks}), "
-          f"{args.warmup}+{args.steps} steps per system, interleaved", flush=True)
+    out.setup(f"Models: mlp {settings.mlp}; gpt {settings.gpt}. AdamW(lr={settings.lr}, "
+              f"wd={settings.weight_decay}); {args.ranks} ranks (tp={args.ranks}), "
+              f"{args.warmup}+{args.steps} steps per system, interleaved.")
     with local_world(args.ranks, timeout=600.0, check=False) as world:
         groups, seconds = world.run(rank_main, args)[0]
     print()
-    print(table(groups))
+    out.table(table(groups),
+              "Each shardfn step against torch parallelize_module on the same model and plan: "
+              "step time on rank 0 (median), CPU time per rank, memory per rank (training "
+              "state and the step's peak), the first loss of every system (all equal the "
+              "unsplit model's) and the parameters' largest relative difference at the end.",
+              ratio="ratio (target", peer="torch parallelize_module", quantity="step time",
+              labels=[f"{g['kind']}: shardfn {SHARDFN_STEPS[name]}" for g in groups
+                      for name in SHARDFN_STEPS])
     print(f"\nRun took {seconds:.0f} s.")
+    out.save(args.results)
 
 
 if __name__ == "__main__":
