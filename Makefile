@@ -5,7 +5,9 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: demo test lint bench docs
 
-$(STAMP): pyproject.toml
+# Reinstalled when pyproject.toml or this file changes (an install older than pyproject's
+# package-dir is setuptools' import hook, which a folder named shardfn can hide).
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)

@@ -5,14 +5,19 @@ standard library's source files (read from this interpreter's install: no downlo
 written once as a token file in the run's directory and read by ``sf.data.loader``:
 each rank reads its block of every global batch (tp peers the same block, every
 pipeline stage its data replica's). The same pure training step runs under the
-chosen plan on every rank. A progress bar shows the loss, tokens/s and step time.
+chosen plan on every rank. Rank 0 shows the progress (``sf.log.progress``: a tqdm bar on
+a terminal, a plain line every 10% of the steps when the output is a file or a pipe;
+``--no-progress``: none) with the loss, tokens/s and step time.
 Halfway through, every rank saves a sharded checkpoint (``sf.checkpoint``: the
 parameters, the optimizer state and the loader's position); at the end the run
 resumes from it, the data order continuing where it stopped, and checks that the
 resumed steps give the same parameters bit for bit. Then the script prints each
 rank's memory and communication beside the ZeRO / Megatron formulas, checks that the
-sharded run equals the same steps on one process with the whole batch, and prints a
-generated sample.
+sharded run equals the same steps on one process with the whole batch (most of the
+run's time on a small machine; ``--no-reference`` skips it and says so), and prints a
+generated sample. Lines of the job come from rank 0 alone; the few lines of each rank
+(its checkpoint shards and resume) carry its mesh coordinates (``sf.log``, on
+``logging``).
 
 Plans (``--plan``), on N ranks (default 4):
 
@@ -29,10 +34,12 @@ Plans (``--plan``), on N ranks (default 4):
 | pp | pipeline (``sf.pipeline_stages``, 1F1B, 4 micro-batches) | pp=N |
 | pp+fsdp | pipeline of ZeRO-3 stages | pp=2, dp=N/2 |
 
-Run: make demo   (or: python examples/demo.py [--plan fsdp] [--ranks 4] [--steps 60])
+Run: make demo   (or: python examples/demo.py [--plan fsdp] [--ranks 4] [--steps 60]
+                  [--no-reference] [--no-progress])
      torchrun --nproc-per-node 2 examples/demo.py [--plan fsdp]
 Under torchrun the script joins the launched world (sf.distributed.initialize(): gloo
-on CPU, NCCL with one GPU per local rank) and only rank 0 prints; see docs/launching.md.
+on CPU, NCCL with one GPU per local rank) and only rank 0 prints the job's lines; see
+docs/launching.md.
 The run's directory (``--ckpt``: the token file ``text.uint16`` and the checkpoint
 ``step_<half>``) must be one all ranks see (a shared file system across nodes). The
 last line prints the final loss and a checksum of the parameters: the
@@ -56,6 +63,20 @@ from torch import nn
 
 import shardfn as sf
 from shardfn.models import GPT, Block, GPTConfig, gpt_tp_plan, gpt_units
+
+#: the demo's logger: ``say`` for the job's lines (rank 0), ``LOG.info(..., mesh=)`` per rank
+LOG = sf.log.get_logger("shardfn-demo")
+
+
+def say(text: str) -> None:
+    """A line of the job: printed once (rank 0, or the launching process), no prefix."""
+    LOG.info(text, main_process_only=True)
+
+
+def setup_logging() -> None:
+    """The demo's lines to stdout, on every rank (``sf.log.setup``: the job's lines on rank 0
+    only, each rank's own lines prefixed with its mesh coordinates)."""
+    sf.log.setup(ranks="all", name="shardfn-demo", stream=sys.stdout)
 
 # ----------------------------------------------------------------------------- data
 
@@ -405,7 +426,7 @@ def train(plan_name: str, steps: int, batch: int, seq: int, ckpt: str,
 
     torch.manual_seed(0)
     launched = dist.is_initialized()
-    show = show and (not launched or dist.get_rank() == 0)  # rank 0 draws the bar
+    show = show and (not launched or dist.get_rank() == 0)  # rank 0 shows the progress
     n = dist.get_world_size() if sharded and launched else 1
     ranks = None if sharded or not launched else [dist.get_rank()]
     plan = build(plan_name if sharded else "single", n, seq, ranks, arch=plan_name, steps=steps)
@@ -415,7 +436,8 @@ def train(plan_name: str, steps: int, batch: int, seq: int, ckpt: str,
     data = loader(plan, tokens, batch, seq)
     params, state = plan.init(0)
     half = steps // 2
-    bar = _progress(steps, plan_name, n) if show else None
+    bar = sf.log.progress(steps, f"{plan_name} on {n} rank{'s' * (n > 1)}", enabled=show,
+                          unit="step")
     losses, times, saved = [], [], None
 
     def run(params, state, data, first: int, last: int, record: bool):
@@ -428,11 +450,8 @@ def train(plan_name: str, steps: int, batch: int, seq: int, ckpt: str,
             if record:
                 times.append(time.perf_counter() - start)
                 losses.append(float(loss.detach()))
-                if bar is not None:
-                    bar.set_postfix(loss=f"{losses[-1]:.3f}",
-                                    tok_s=f"{batch * seq / times[-1]:,.0f}",
-                                    step_ms=f"{1e3 * times[-1]:.0f}")
-                    bar.update()
+                bar.update(loss=f"{losses[-1]:.3f}", tok_s=f"{batch * seq / times[-1]:,.0f}",
+                           step_ms=f"{1e3 * times[-1]:.0f}")
         return params, state
 
     sf.reset_comm_stats()
@@ -445,8 +464,7 @@ def train(plan_name: str, steps: int, batch: int, seq: int, ckpt: str,
     with sf.memory.track() as tracker:  # one step's peak above what is already held
         params, state = run(params, state, data, half, half + 1, True)
     params, state = run(params, state, data, half + 1, steps, True)
-    if bar is not None:
-        bar.close()
+    bar.close()
     result = {"losses": losses, "full": _detach(plan.full(params)),
               "param_bytes": _nbytes(params), "state_bytes": _nbytes(state),
               "peak": tracker.peak_bytes, "comm_per_step": comm,
@@ -461,23 +479,23 @@ def train(plan_name: str, steps: int, batch: int, seq: int, ckpt: str,
         again, _ = run(loaded["params"], loaded["opt"], fresh, loaded["step"], steps, False)
         result["resumed"] = all(torch.equal(a, params[k]) for k, a in again.items()) and \
             fresh.state == data.state
+        if launched:   # this rank's line, tagged with its mesh coordinates
+            LOG.info(f"checkpoint shards {_nbytes(loaded['params']) / 2**20:.3f} MiB of "
+                     f"parameters, {_nbytes(loaded['opt']) / 2**20:.3f} MiB of AdamW state; "
+                     f"resumed: {'bit-identical' if result['resumed'] else 'DIFFERS'}",
+                     mesh=plan.mesh)
     return result
+
+
+def train_logged(*args: Any, **kwargs: Any) -> dict:
+    """:func:`train` with the demo's logging set up on this rank first (a local world's
+    rank is a process of its own)."""
+    setup_logging()
+    return train(*args, **kwargs)
 
 
 def _detach(tree: dict) -> dict:
     return {k: v.detach().clone() for k, v in tree.items()}
-
-
-def _progress(steps: int, plan: str, n: int):
-    import threading
-
-    from tqdm import tqdm
-
-    # a thread lock: tqdm's default also makes a multiprocessing semaphore, which a local
-    # world's worker (it exits without interpreter teardown) would leave behind
-    tqdm.set_lock(threading.RLock())
-    return tqdm(total=steps, desc=f"{plan} on {n} ranks", unit="step", file=sys.stdout,
-                mininterval=0.25, ncols=100)
 
 
 # ----------------------------------------------------------------------------- report
@@ -498,32 +516,38 @@ def formula(plan: str, n: int, full: dict[str, torch.Tensor]) -> tuple[float, fl
     return table.get(plan)
 
 
-def report(plan: str, results: list[dict], reference: dict) -> None:
+def report(plan: str, results: list[dict], reference: dict | None) -> None:
+    """The per-rank memory and communication table beside the formulas (the one-process
+    row: skipped without a ``reference``)."""
     mib = 2 ** 20
     n = len(results)
-    print(f"\nper-rank memory and communication ({plan}, {n} ranks, "
-          f"{sum(t.numel() for t in reference['full'].values()):,} fp32 parameters):")
-    print(f"  {'rank':>9} {'params':>8} {'grads':>8} {'AdamW':>8} {'step peak':>10} "
-          f"{'sent/step':>10}   (MiB)")
+    full = results[0]["full"]   # the same tree as the one-process run's
+    lines = [f"\nper-rank memory and communication ({plan}, {n} ranks, "
+             f"{sum(t.numel() for t in full.values()):,} fp32 parameters):",
+             f"  {'rank':>9} {'params':>8} {'grads':>8} {'AdamW':>8} {'step peak':>10} "
+             f"{'sent/step':>10}   (MiB)"]
     for rank, r in enumerate(results):
-        print(f"  {rank:>9} {r['param_bytes'] / mib:>8.3f} {r['param_bytes'] / mib:>8.3f} "
-              f"{r['state_bytes'] / mib:>8.3f} {r['peak'] / mib:>10.3f} "
-              f"{r['comm_per_step'] / mib:>10.3f}")
+        lines.append(f"  {rank:>9} {r['param_bytes'] / mib:>8.3f} "
+                     f"{r['param_bytes'] / mib:>8.3f} {r['state_bytes'] / mib:>8.3f} "
+                     f"{r['peak'] / mib:>10.3f} {r['comm_per_step'] / mib:>10.3f}")
     r = reference
-    print(f"  {'1 process':>9} {r['param_bytes'] / mib:>8.3f} {r['param_bytes'] / mib:>8.3f} "
-          f"{r['state_bytes'] / mib:>8.3f} {r['peak'] / mib:>10.3f} {0:>10.3f}")
-    theory = formula(plan, n, reference["full"])
+    lines.append(f"  {'1 process':>9} skipped (--no-reference)" if r is None else
+                 f"  {'1 process':>9} {r['param_bytes'] / mib:>8.3f} "
+                 f"{r['param_bytes'] / mib:>8.3f} {r['state_bytes'] / mib:>8.3f} "
+                 f"{r['peak'] / mib:>10.3f} {0:>10.3f}")
+    say("\n".join(lines))
+    theory = formula(plan, n, full)
     if theory is not None:
         mem, sent = theory
         sent_text = "" if sent is None else f", sent {sent / mib:.3f} MiB per step"
-        print(f"  ZeRO formula: params+grads+AdamW {mem / mib:.3f} MiB per rank{sent_text} "
-              "(the loss's pmean and padding are extra)")
+        say(f"  ZeRO formula: params+grads+AdamW {mem / mib:.3f} MiB per rank{sent_text} "
+            "(the loss's pmean and padding are extra)")
     elif plan in ("tp", "tp+sp", "fsdp+tp"):
-        print("  Megatron: each rank holds 1/tp of the split leaves (qkv, proj, fc1, fc2, the "
-              "vocabulary) and all of the LayerNorms, biases of rowwise layers and positions")
+        say("  Megatron: each rank holds 1/tp of the split leaves (qkv, proj, fc1, fc2, the "
+            "vocabulary) and all of the LayerNorms, biases of rowwise layers and positions")
     else:
-        print("  pipeline: each rank holds its stages' parameters; activations travel point "
-              "to point")
+        say("  pipeline: each rank holds its stages' parameters; activations travel point "
+            "to point")
 
 
 def sample(full: dict, plan: str, seq: int, prompt: str = "def ", chars: int = 160) -> str:
@@ -552,8 +576,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     parser.add_argument("--seq", type=int, default=64, help="sequence length (characters)")
     parser.add_argument("--ckpt", default=None,
-                        help="the run's directory: the token file and the checkpoint "
-                             "(default: shardfn-demo-<plan> in the temporary directory)")
+                        help="the run's directory: the token file and the checkpoint (default: "
+                             "shardfn-demo-<plan> in the system's temporary directory, the same "
+                             "on every run of that plan: the token file is reused and the "
+                             "checkpoint overwritten; give another directory to keep one)")
+    parser.add_argument("--no-reference", dest="reference", action="store_false",
+                        help="skip the one-process run on the whole batch (most of the time on "
+                             "a small machine) and the comparison with it")
+    parser.add_argument("--no-progress", dest="progress", action="store_false",
+                        help="no progress display (by default a bar on a terminal, a line "
+                             "every 10%% of the steps when the output is a file or a pipe)")
     return parser.parse_args(argv)
 
 
@@ -561,6 +593,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     ckpt = args.ckpt or os.path.join(tempfile.gettempdir(), f"shardfn-demo-{args.plan}")
     job = (args.plan, args.steps, args.batch, args.seq, ckpt)
+    setup_logging()
 
     if sf.distributed.launch_environment() is not None:
         import torch.distributed as dist
@@ -570,37 +603,42 @@ def main(argv=None) -> None:
             raise SystemExit(f"--ranks {args.ranks} but torchrun started {info.world_size} "
                              "processes; under torchrun the world size is --nproc-per-node x "
                              "--nnodes")
-        if info.rank == 0:
-            print(f"joined a torchrun world of {info.world_size} processes ({info.backend}, "
-                  f"{info.device})", flush=True)
-        mine = train(*job, sharded=True, show=True)
+        say(f"joined a torchrun world of {info.world_size} processes ({info.backend}, "
+            f"{info.device})")
+        mine = train(*job, sharded=True, show=args.progress)
         results = [None] * info.world_size if info.rank == 0 else None
         dist.gather_object(mine, results, dst=0)
         if info.rank != 0:
             return
     else:
         ranks = 4 if args.ranks is None else args.ranks
-        print(f"starting a local world of {ranks} CPU processes (gloo) ...", flush=True)
+        say(f"starting a local world of {ranks} CPU processes (gloo) ...")
         with sf.testing.local_world(ranks, timeout=600) as world:
-            results = world.run(train, *job, True, True)
-    print("training the same steps on one process with the whole batch ...", flush=True)
-    reference = train(*job, sharded=False)
+            results = world.run(train_logged, *job, True, args.progress)
+    reference = None
+    if args.reference:
+        say("training the same steps on one process with the whole batch ...")
+        reference = train(*job, sharded=False)
     report(args.plan, results, reference)
-    print(f"\ncheckpoint: saved after step {args.steps // 2} to {results[0]['checkpoint']}; "
-          "resumed from it (the parameters, the optimizer state and the loader's position), the "
-          "second half gives the same parameters bit for bit: "
-          f"{'OK' if all(r['resumed'] for r in results) else 'FAILED'}")
-    if not all(r["resumed"] for r in results):
+    resumed = all(r["resumed"] for r in results)
+    say(f"\ncheckpoint: saved after step {args.steps // 2} to {results[0]['checkpoint']}; "
+        "resumed from it (the parameters, the optimizer state and the loader's position), the "
+        f"second half gives the same parameters bit for bit: {'OK' if resumed else 'FAILED'}")
+    if not resumed:
         raise SystemExit("the resumed run differs from the uninterrupted one")
-    found = check(args.plan, results, reference)
-    final = results[0]["full"]
-    print(f"sharded training ({args.plan}) matches one-process training: OK ({found}; loss "
-          f"{results[0]['losses'][0]:.3f} -> {results[0]['losses'][-1]:.3f}; median step "
-          f"{1e3 * results[0]['step_s']:.0f} ms on {len(results)} ranks, "
-          f"{1e3 * reference['step_s']:.0f} ms on one process)")
-    print("\nsample:\n" + sample(final, args.plan, args.seq))
-    print(f"\nfinal: plan {args.plan}  world {len(results)}  loss "
-          f"{results[0]['losses'][-1]:.8f}  param checksum {checksum(final):.10f}")
+    final, losses = results[0]["full"], results[0]["losses"]
+    trained = (f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; median step "
+               f"{1e3 * results[0]['step_s']:.0f} ms on {len(results)} ranks")
+    if reference is None:
+        say(f"sharded training ({args.plan}) matches one-process training: skipped "
+            f"(--no-reference; {trained})")
+    else:
+        found = check(args.plan, results, reference)
+        say(f"sharded training ({args.plan}) matches one-process training: OK ({found}; "
+            f"{trained}, {1e3 * reference['step_s']:.0f} ms on one process)")
+    say("\nsample:\n" + sample(final, args.plan, args.seq))
+    say(f"\nfinal: plan {args.plan}  world {len(results)}  loss {losses[-1]:.8f}  "
+        f"param checksum {checksum(final):.10f}")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,11 @@ rank of the world, so resuming on fewer ranks is a second launch:
      torchrun --nproc-per-node 2 examples/hf_finetune.py --phase resume --out DIR
 ``--out`` must be a directory every rank sees (default: shardfn-hf-finetune in the
 temporary directory).
+
+Output goes through ``sf.log`` (on ``logging``): the job's lines from rank 0 alone, each
+rank's own line (what it loaded on resume) tagged with its mesh coordinates, and each
+training phase's progress on rank 0 (``sf.log.progress``: a tqdm bar on a terminal, a line
+every 10% of the steps in a file or a pipe; ``--no-progress``: none).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 import warnings
@@ -82,6 +88,7 @@ class Job(NamedTuple):
         steps: AdamW steps in all; the checkpoint is written after ``steps // 2``.
         lr: AdamW's learning rate.
         out: the directory of the checkpoint, the export and the summary.
+        progress: show each phase's progress on rank 0 (``--no-progress``: False).
     """
 
     dp: int
@@ -90,6 +97,7 @@ class Job(NamedTuple):
     steps: int
     lr: float
     out: str
+    progress: bool = True
 
     def path(self, name: str) -> str:
         return os.path.join(self.out, name)
@@ -100,9 +108,19 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
+#: the example's logger: ``say`` for the job's lines, ``LOG.info(..., mesh=)`` per rank
+LOG = sf.log.get_logger("shardfn-hf-finetune")
+
+
 def say(text: str) -> None:
-    if _rank() == 0:
-        print(text, flush=True)
+    """A line of the job: printed once (rank 0, or the launching process), no prefix."""
+    LOG.info(text, main_process_only=True)
+
+
+def setup_logging() -> None:
+    """The example's lines to stdout on this rank (``sf.log.setup``: the job's lines on rank
+    0 only, each rank's own lines prefixed with its mesh coordinates)."""
+    sf.log.setup(ranks="all", name="shardfn-hf-finetune", stream=sys.stdout)
 
 
 def encode(text: str) -> torch.Tensor:
@@ -158,9 +176,11 @@ def make_optimizer(job: Job):
     return sf.optim.adamw(job.lr, eps=1e-6, weight_decay=0.01)
 
 
-def train(model, trainable, rest, opt, opt_state, data, steps: range, loss_of, label: str):
+def train(model, trainable, rest, opt, opt_state, data, steps: range, loss_of, label: str,
+          show: bool = True):
     """AdamW ``steps`` on this rank's shards; each dp rank reads its block of the batch from
-    the loader ``data`` (the inputs: the model shifts the labels itself).
+    the loader ``data`` (the inputs: the model shifts the labels itself). Rank 0 shows the
+    progress (``show``).
 
     Returns:
         ``(trainable, opt_state, losses)``: the whole batch's loss at each step.
@@ -168,14 +188,17 @@ def train(model, trainable, rest, opt, opt_state, data, steps: range, loss_of, l
     mesh, losses = model.mesh, []
     grad_and_loss = torch.func.grad_and_value(
         lambda t, ids: loss_of(model.merge(t, rest), ids))   # gradients averaged over dp
+    bar = sf.log.progress(len(steps), f"  {label} (steps {steps.start + 1}-{steps.stop})",
+                          enabled=show and _rank() == 0, unit="step")
     # zip stops before reading a batch past the last step: data.state is after `steps`
-    for step, (inputs, _) in zip(steps, batches(data), strict=False):
+    for _, (inputs, _) in zip(steps, batches(data), strict=False):
         ids = inputs.to(mesh.device)
         grads, loss = grad_and_loss(trainable, ids)
         updates, opt_state = opt.update(grads, opt_state, trainable)
         trainable = sf.optim.apply_updates(trainable, updates)
         losses.append(float(sf.pmean(loss.detach(), "dp", mesh=mesh)))
-        say(f"  {label} step {step + 1:>3}/{steps.stop}  loss {losses[-1]:.4f}")
+        bar.update(loss=f"{losses[-1]:.4f}")
+    bar.close()
     return trainable, opt_state, losses
 
 
@@ -185,6 +208,7 @@ def _cpu(tree: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def finetune(job: Job) -> None:
     """Phase 1, on every rank of a ``dp x tp`` world: FSDP x TP, a checkpoint halfway."""
+    setup_logging()
     llama = build_llama()
     mesh = sf.Mesh({"dp": job.dp, "tp": job.tp})
     plan = {**sf.hf_tp_plan(llama), "lm_head": "colwise"}   # logits split over the vocabulary
@@ -202,7 +226,7 @@ def finetune(job: Job) -> None:
     say(f"phase 1: finetune with FSDP x TP on {job.dp * job.tp} ranks "
         f"(dp={job.dp} x tp={job.tp})")
     trainable, opt_state, losses = train(model, trainable, rest, opt, opt_state, data,
-                                         range(half), loss_of, "finetune")
+                                         range(half), loss_of, "finetune", job.progress)
     path = sf.checkpoint.save(job.path("checkpoint"),   # this run's: replaces an earlier one
                               {"params": trainable, "opt": opt_state, "step": half,
                                "data": data.state}, mesh,
@@ -210,7 +234,8 @@ def finetune(job: Job) -> None:
     say(f"  checkpoint: {path} (data: epoch {data.state.epoch}, sample {data.state.offset})")
     saved = _cpu(model.gather(trainable))
     _, _, stayed = train(model, trainable, rest, opt, opt_state, data,
-                         range(half, job.steps), loss_of, "(staying, for the check)")
+                         range(half, job.steps), loss_of, "(staying, for the check)",
+                         job.progress)
     if _rank() == 0:   # what the resume checks against
         torch.save({"job": list(job), "losses": losses, "stayed": stayed, "saved": saved,
                     "checkpoint": path, "data_end": list(data.state)}, job.path("finetune.pt"))
@@ -222,6 +247,7 @@ def resume(job: Job) -> dict[str, Any] | None:
     Returns:
         On rank 0: the resumed losses, the loaded and final leaves (gathered), the step.
     """
+    setup_logging()
     llama = build_llama()
     mesh = sf.Mesh({"dp": job.resume_ranks})
     model = sf.shard_params(sf.functional(llama), mesh, "dp")
@@ -233,12 +259,16 @@ def resume(job: Job) -> dict[str, Any] | None:
     say(f"phase 2: resume from {path} with plain FSDP on {job.resume_ranks} ranks")
     state = sf.checkpoint.load(path, like, mesh, {"params": model, "opt": opt})
     data.load_state(state["data"])   # the global order goes on; each rank's block is new
+    shards = sum(v.numel() * v.element_size() for v in state["params"].values())
+    LOG.info(f"loaded {len(state['params'])} leaves resharded for {job.resume_ranks} ranks: "
+             f"{shards / 2**20:.3f} MiB of parameter shards on this rank", mesh=mesh)
 
     def loss_of(params, ids):
         return model.apply(params, input_ids=ids, labels=ids).loss
 
     trainable, _, losses = train(model, state["params"], rest, opt, state["opt"], data,
-                                 range(state["step"], job.steps), loss_of, "resume")
+                                 range(state["step"], job.steps), loss_of, "resume",
+                                 job.progress)
     sf.checkpoint.save_pretrained(job.path("hf"), model, model.merge(trainable, rest))
     loaded, final = _cpu(model.gather(state["params"])), _cpu(model.gather(trainable))
     if _rank() != 0:
@@ -312,14 +342,14 @@ def report(job: Job, resumed: dict[str, Any]) -> dict[str, Any]:
     with open(job.path("summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     losses = summary["losses"]
-    print(f"\nfinetune loss {losses['finetune'][0]:.4f} -> {losses['finetune'][-1]:.4f}; "
-          f"resumed -> {losses['resumed'][-1]:.4f}")
-    print(f"loaded weights equal the saved ones: {'OK' if saved_equal else 'FAILED'}")
-    print(f"resumed losses vs staying on {job.dp * job.tp} ranks: {rel:.1e} relative")
-    print(f"from_pretrained: logits {summary['export_logits_max_abs_diff']:.1e} from the "
-          f"gathered leaves'; generate() = argmax loop: {summary['generate_equals_greedy']}")
-    print(f"sample: {summary['sample']!r}")
-    print(f"summary: {job.path('summary.json')}")
+    say(f"\nfinetune loss {losses['finetune'][0]:.4f} -> {losses['finetune'][-1]:.4f}; "
+        f"resumed -> {losses['resumed'][-1]:.4f}")
+    say(f"loaded weights equal the saved ones: {'OK' if saved_equal else 'FAILED'}")
+    say(f"resumed losses vs staying on {job.dp * job.tp} ranks: {rel:.1e} relative")
+    say(f"from_pretrained: logits {summary['export_logits_max_abs_diff']:.1e} from the "
+        f"gathered leaves'; generate() = argmax loop: {summary['generate_equals_greedy']}")
+    say(f"sample: {summary['sample']!r}")
+    say(f"summary: {job.path('summary.json')}")
     if failures:
         raise SystemExit("FAILED: " + "; ".join(failures))
     return summary
@@ -342,6 +372,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--out", default=None, help="checkpoint, export and summary.json "
                         "(default: shardfn-hf-finetune in the temporary directory)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false",
+                        help="no progress display (by default a bar on a terminal, a line "
+                             "every 10%% of the steps when the output is a file or a pipe)")
     return parser.parse_args(argv)
 
 
@@ -368,7 +401,7 @@ def make_job(args: argparse.Namespace, launched: int | None) -> Job:
         raise SystemExit(f"--steps {args.steps}: at least 2 (a checkpoint after half)")
     out = os.path.abspath(args.out or os.path.join(tempfile.gettempdir(),
                                                    "shardfn-hf-finetune"))
-    job = Job(dp, args.tp, resume_ranks, args.steps, args.lr, out)
+    job = Job(dp, args.tp, resume_ranks, args.steps, args.lr, out, args.progress)
     if phase == "resume":   # the fine-tune's mesh and steps are the ones it ran with
         if not os.path.exists(job.path("finetune.pt")):
             raise SystemExit(f"--phase resume: no {job.path('finetune.pt')}; run --phase "
@@ -380,10 +413,12 @@ def make_job(args: argparse.Namespace, launched: int | None) -> Job:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    start, rank = time.perf_counter(), 0
+    start = time.perf_counter()
+    setup_logging()
+    if not args.progress or not sys.stderr.isatty():   # from_pretrained's own tqdm bar
+        transformers.utils.logging.disable_progress_bar()
     if sf.distributed.launch_environment() is not None:
         info = sf.distributed.initialize()
-        rank = info.rank
         job = make_job(args, info.world_size)
         say(f"joined a torchrun world of {info.world_size} processes ({info.backend}, "
             f"{info.device})")
@@ -395,19 +430,16 @@ def main(argv=None) -> None:
         job = make_job(args, None)
         resumed = None
         if args.phase in ("all", "finetune"):
-            print(f"starting a local world of {job.dp * job.tp} CPU processes (gloo) ...",
-                  flush=True)
+            say(f"starting a local world of {job.dp * job.tp} CPU processes (gloo) ...")
             with sf.testing.local_world(job.dp * job.tp, timeout=600) as world:
                 world.run(finetune, job)
         if args.phase in ("all", "resume"):
-            print(f"starting a new local world of {job.resume_ranks} CPU processes ...",
-                  flush=True)
+            say(f"starting a new local world of {job.resume_ranks} CPU processes ...")
             with sf.testing.local_world(job.resume_ranks, timeout=600) as world:
                 resumed = world.run(resume, job)[0]
     if resumed is not None:
         report(job, resumed)
-    if rank == 0:
-        print(f"done in {time.perf_counter() - start:.1f} s")
+    say(f"done in {time.perf_counter() - start:.1f} s")
 
 
 if __name__ == "__main__":

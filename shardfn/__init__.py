@@ -7,7 +7,7 @@ Example:
     P('dp', None)
 """
 
-from shardfn import checkpoint, data, distributed, memory, models, optim, pytree
+from shardfn import checkpoint, data, distributed, log, memory, models, optim, pytree
 from shardfn.functional import FunctionalModel, ShapeDtype, functional
 from shardfn.mesh import Mesh, get_mesh, set_mesh
 from shardfn.model import Model
@@ -150,6 +150,7 @@ __all__ = [
     "hf_tp_plan",
     "get_mesh",
     "layout_of",
+    "log",
     "local_shape",
     "memory",
     "models",

@@ -207,7 +207,8 @@ def test_no_import_cycles():
 #: (a name covers that module and its submodules; ``shardfn`` alone is the package's
 #: ``__init__``, the public API on top)
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundations", ("shardfn._torch_internals", "shardfn.pytree", "shardfn.mesh")),
+    ("foundations", ("shardfn._torch_internals", "shardfn.pytree", "shardfn.mesh",
+                     "shardfn.log")),
     ("collectives", ("shardfn.primitives", "shardfn.distributed")),
     ("specs", ("shardfn.spec",)),
     ("models and memory", ("shardfn.functional", "shardfn._functional_init", "shardfn.models",
@@ -218,7 +219,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("transforms", ("shardfn.transforms",)),
     ("checkpoints", ("shardfn.checkpoint",)),
     ("data", ("shardfn.data",)),
-    ("public API and test worlds", ("shardfn", "shardfn.testing")),
+    ("public API and test worlds", ("shardfn", "shardfn.testing", "shardfn._selfcheck",
+                                    "shardfn.__main__")),
 )
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +28,10 @@ import torch
 
 import shardfn as sf
 
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "examples" / "demo.py"
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 #: measured at the defaults (300 steps, batch 16 x 64, 4 ranks; SHARDFN_DEMO_DEFAULTS=1):
 #: plan -> (largest relative loss difference over the steps and ranks, the final
@@ -150,3 +155,44 @@ def test_demo_text_is_a_token_file_read_by_the_mesh_loader(tmp_path):
     starts = 16 * found.int().argmax(1)
     assert torch.equal(y, torch.stack([tokens[s + 1:s + 17] for s in starts.tolist()]))
     assert not torch.equal(starts, torch.arange(4) * 16)        # shuffled
+
+
+def test_demo_into_a_pipe_without_the_reference(tmp_path):
+    """The script as a user runs it with its output to a file (`make demo > log`): progress
+    as plain lines (no ``\\r``, no line over 500 characters), the rank-0 lines once, each
+    rank's line tagged with its mesh coordinates, and ``--no-reference`` saying what it
+    skipped."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, str(DEMO), "--ranks", "2", "--steps", "4",
+                             "--batch", "4", "--seq", "16", "--no-reference", "--ckpt",
+                             str(tmp_path / "run")], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    assert "\r" not in out and max(map(len, out.splitlines())) <= 500, out
+    assert [line.split("  ")[0] for line in out.splitlines() if "step_ms" in line] == \
+        [f"fsdp on 2 ranks: step {k}/4 ({k / 4:.0%})" for k in (1, 2, 3, 4)]
+    for rank in (0, 1):
+        assert out.count(f"[dp={rank}] checkpoint shards ") == 1, out
+    assert out.count("starting a local world of 2") == 1
+    assert "training the same steps on one process" not in out
+    assert "  1 process skipped (--no-reference)" in out
+    assert "sharded training (fsdp) matches one-process training: skipped (--no-reference; " \
+           "loss " in out
+    assert "the second half gives the same parameters bit for bit: OK" in out
+    assert out.splitlines()[-1].startswith("final: plan fsdp  world 2  loss ")
+
+
+def test_no_progress_and_no_reference_flags(tmp_path, capsys):
+    demo = _demo()
+    args = demo.parse_args(["--no-progress", "--no-reference"])
+    assert (args.progress, args.reference) == (False, False)
+    args = demo.parse_args([])
+    assert (args.progress, args.reference) == (True, True)
+    demo.train("fsdp", 2, 4, 16, str(tmp_path), sharded=False, show=True)
+    shown = capsys.readouterr().out           # captured: not a terminal, so lines
+    assert shown.count("fsdp on 1 rank: step ") == 2 and "\r" not in shown, shown
+    demo.train("fsdp", 2, 4, 16, str(tmp_path), sharded=False, show=False)  # --no-progress
+    assert capsys.readouterr().out == ""

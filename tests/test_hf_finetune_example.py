@@ -39,8 +39,9 @@ def _example():
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> tuple[dict, Path, str]:
-    """The script's run on local worlds: (summary.json, the output directory, stdout)."""
+def run(tmp_path_factory) -> tuple[dict, Path, str, str]:
+    """The script's run on local worlds: (summary.json, the output directory, stdout,
+    stderr)."""
     out = tmp_path_factory.mktemp("hf_finetune")
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
@@ -49,7 +50,7 @@ def run(tmp_path_factory) -> tuple[dict, Path, str]:
                              str(out)], cwd=out, env=env, capture_output=True, text=True,
                             timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return json.loads((out / "summary.json").read_text()), out, result.stdout
+    return json.loads((out / "summary.json").read_text()), out, result.stdout, result.stderr
 
 
 def _one_process_reference(example, out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -70,7 +71,7 @@ def _one_process_reference(example, out: Path) -> tuple[list[float], dict[str, t
 
 
 def test_script_passes_its_checks_and_trains_like_one_process(run):
-    summary, out, stdout = run
+    summary, out, stdout, stderr = run
     assert summary["failures"] == [], summary["failures"]
     assert summary["finetune_mesh"] == {"dp": 2, "tp": 2} and summary["resume_ranks"] == 2
     assert summary["checkpoint_step"] == STEPS // 2
@@ -85,6 +86,13 @@ def test_script_passes_its_checks_and_trains_like_one_process(run):
     assert losses["finetune"][-1] < losses["finetune"][0]
     assert losses["resumed"][-1] < losses["resumed"][0] < losses["finetune"][-1]
     assert "loaded weights equal the saved ones: OK" in stdout, stdout
+    # output to a pipe: progress as lines on rank 0, no tqdm redraws (from_pretrained's
+    # included), each rank's own line tagged with its mesh coordinates
+    assert "\r" not in stdout + stderr and max(map(len, stdout.splitlines())) <= 500
+    assert stdout.count("  finetune (steps 1-2): step 2/2 (100%)  loss ") == 1, stdout
+    assert stdout.count("  resume (steps 3-4): step 2/2 (100%)  loss ") == 1, stdout
+    for rank in (0, 1):
+        assert stdout.count(f"[dp={rank}] loaded ") == 1, stdout
 
     assert summary["data_position"]["resumed"] == summary["data_position"]["stayed"]
     example = _example()
