@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench docs
+.PHONY: demo test lint bench docs docs-serve notebooks
 
 # Reinstalled when pyproject.toml or this file changes (an install older than pyproject's
 # package-dir is setuptools' import hook, which a folder named shardfn can hide).
@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 lint: $(STAMP)
-	$(PY) -m ruff check shardfn tests examples benchmarks docs/notebooks
+	$(PY) -m ruff check shardfn tests examples benchmarks docs/notebooks docs/_ext
 
 test: lint
 	$(PY) -m pytest -q
@@ -27,3 +27,9 @@ bench: $(STAMP)
 
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict -d site
+
+docs-serve: docs   # search needs a server: opened as a file, the site cannot search
+	$(PY) -m http.server --bind 127.0.0.1 --directory site 8000
+
+notebooks: $(STAMP)   # re-run the tutorials and store their outputs (what the site shows)
+	$(PY) -m tests.test_notebooks
