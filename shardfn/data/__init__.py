@@ -6,6 +6,8 @@
   ``sf.checkpoint`` saves; ``loader(..., state=saved)`` continues the exact order,
   also on another number of data ranks.
 * :class:`MeshSampler`: the batch sampler under it, for a ``DataLoader`` of your own.
+* :func:`stage_reads` / ``loader(..., reads=)``: under a pipeline, each pp rank loads only
+  what its stages read (inputs on the first, targets on the last) as a :class:`StageBatch`.
 * :class:`TokenFile` / :func:`write_tokens`: a memory-mapped token file (nanoGPT's
   raw uint16/uint32) read as fixed-length ``(inputs, targets)`` windows.
 
@@ -18,6 +20,7 @@ Example:
     >>> sf.checkpoint.save(ckpt, {"params": params, "data": data.state}, mesh, step=step)
 """
 
+from shardfn.data.fields import Fields, StageBatch, StageReads, pick_fields, stage_reads
 from shardfn.data.layout import BatchLayout, batch_layout, split_global_batch
 from shardfn.data.loader import MeshLoader, Padded, loader
 from shardfn.data.order import DataState, LastBatch, epoch_order
@@ -27,15 +30,20 @@ from shardfn.data.token_file import TokenDtype, TokenFile, write_tokens
 __all__ = [
     "BatchLayout",
     "DataState",
+    "Fields",
     "LastBatch",
     "MeshLoader",
     "MeshSampler",
     "Padded",
+    "StageBatch",
+    "StageReads",
     "TokenDtype",
     "TokenFile",
     "batch_layout",
     "epoch_order",
     "loader",
+    "pick_fields",
     "split_global_batch",
+    "stage_reads",
     "write_tokens",
 ]

@@ -8,7 +8,8 @@ global order, on any number of data ranks, with any number of workers.
 
 The batches are loaded by a plain ``DataLoader`` over :class:`MeshSampler` (workers,
 ``collate_fn``, ``pin_memory`` as usual); the position counts the batches handed to
-the caller, not those the workers prefetched.
+the caller, not those the workers prefetched. Under a pipeline, ``reads=`` loads only
+what this pp rank reads (:mod:`shardfn.data.fields`).
 
 Example:
     >>> data = loader(dataset, mesh, global_batch=32, accumulation=2, seed=0)
@@ -27,6 +28,14 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from shardfn.data.fields import (
+    FieldCollate,
+    Fields,
+    SampleFields,
+    StageBatch,
+    StageReads,
+    check_fields,
+)
 from shardfn.data.layout import BatchLayout, batch_layout
 from shardfn.data.order import DataState, LastBatch, batches_left, mix_seed
 from shardfn.data.sampler import MeshSampler
@@ -74,19 +83,28 @@ class MeshLoader:
         dataset: the map-style dataset.
         layout: this rank's :class:`~shardfn.data.layout.BatchLayout`.
         sampler: the :class:`MeshSampler` the ``DataLoader`` reads.
-        dataloader: the ``torch.utils.data.DataLoader``.
+        dataloader: the ``torch.utils.data.DataLoader``; None on a pp rank that reads
+            nothing (``reads=StageReads(False, False)``: it yields ``StageBatch(None,
+            None)`` and never indexes the dataset).
+        reads: what this rank reads of each sample (``reads=``), or None: all of it.
     """
 
     def __init__(self, dataset: Dataset, layout: BatchLayout, sampler: MeshSampler,
-                 dataloader_kwargs: dict[str, Any]):
+                 dataloader_kwargs: dict[str, Any], reads: StageReads | None = None,
+                 fields: Fields = None):
         self.dataset = dataset
         self.layout = layout
         self.sampler = sampler
+        self.reads = reads
         self._state = sampler.state
         self._generation = 0  # which iterator may advance the position
         self._generator = torch.Generator()  # workers' base seed: never torch's global RNG
-        self.dataloader = DataLoader(dataset, batch_sampler=sampler, generator=self._generator,
-                                     **dataloader_kwargs)
+        if reads is not None:  # each sample cut to the sides this rank reads, each collated
+            dataset = SampleFields(dataset, fields, reads)
+            dataloader_kwargs = {**dataloader_kwargs, "collate_fn": FieldCollate(
+                reads, dataloader_kwargs.get("collate_fn"))}
+        self.dataloader = None if reads is not None and not any(reads) else DataLoader(
+            dataset, batch_sampler=sampler, generator=self._generator, **dataloader_kwargs)
 
     @property
     def state(self) -> DataState:
@@ -128,10 +146,10 @@ class MeshLoader:
         self.sampler.state = state
         self._generator.manual_seed(mix_seed("workers", state.seed, state.epoch,
                                              self.layout.data_index))
-        batches = iter(self.dataloader)
+        batches = iter(self.dataloader) if self.dataloader is not None else None
         for k in range(count):
             self._check_current(generation)
-            data = next(batches)
+            data = StageBatch(None, None) if batches is None else next(batches)
             self._check_current(generation)
             offset = state.offset + k * global_batch
             self._state = state._replace(offset=offset + global_batch) if k + 1 < count \
@@ -154,6 +172,7 @@ def loader(dataset: Dataset, mesh: Mesh | None = None, *, global_batch: int,
            data_axes: AxisName = ("dp",), microbatch: int | None = None,
            accumulation: int = 1, shuffle: bool = True, seed: int = 0,
            last_batch: LastBatch = "drop", state: DataState | None = None,
+           reads: StageReads | None = None, fields: Fields = None,
            num_workers: int = 0, collate_fn: Callable | None = None,
            pin_memory: bool = False, **dataloader_kwargs: Any) -> MeshLoader:
     """A loader that gives this rank its block of every global batch, and resumes exactly.
@@ -175,6 +194,14 @@ def loader(dataset: Dataset, mesh: Mesh | None = None, *, global_batch: int,
         last_batch: ``"drop"`` the samples after the last full global batch, or ``"pad"``:
             fill it up with repeats and yield every batch as :class:`Padded`.
         state: a :class:`DataState` to continue from (``loader.state`` as saved).
+        reads: under a pipeline, what this pp rank reads (``sf.data.stage_reads(pp)``):
+            each batch is then a :class:`~shardfn.data.StageBatch` ``(inputs, targets)``
+            with None for a side it does not read, and a rank that reads neither never
+            indexes the dataset (:mod:`shardfn.data.fields`). None: whole samples, as
+            collated.
+        fields: with ``reads``, how a sample splits into ``(inputs, targets)``: None (it is
+            a pair), ``(inputs_key, targets_key)`` or a callable ``sample -> (inputs,
+            targets)``; each side is collated on its own by ``collate_fn``.
         num_workers, collate_fn, pin_memory, **dataloader_kwargs: for the
             ``DataLoader`` (``prefetch_factor``, ``persistent_workers``,
             ``worker_init_fn``, ``multiprocessing_context``, ``timeout``, ...). With
@@ -190,13 +217,15 @@ def loader(dataset: Dataset, mesh: Mesh | None = None, *, global_batch: int,
         ValueError: ``global_batch != microbatch x accumulation x data ranks`` (naming all
             four), a data axis not in the mesh, a dataset smaller than a global batch
             with ``"drop"``, or a ``state`` of another seed, dataset length or shuffle.
-        TypeError: an iterable-style dataset, or DataLoader options this loader sets.
+        TypeError: an iterable-style dataset, DataLoader options this loader sets, or
+            ``reads``/``fields`` of another kind.
 
     Example:
         >>> mesh = sf.Mesh({"dp": 2, "tp": 2})
         >>> data = sf.data.loader(sf.data.TokenFile("train.bin", 256), mesh,
         ...                       global_batch=64, accumulation=4, seed=0)
         >>> inputs, targets = next(iter(data))   # 8 x 256 each; tp peers alike
+        >>> data = sf.data.loader(dataset, mesh, global_batch=64, reads=sf.data.stage_reads(pp))
     """
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__") \
             or not hasattr(dataset, "__len__"):
@@ -212,8 +241,14 @@ def loader(dataset: Dataset, mesh: Mesh | None = None, *, global_batch: int,
                           accumulation=accumulation)
     sampler = MeshSampler(len(dataset), layout, seed=seed, shuffle=shuffle,
                           last_batch=last_batch, state=state)
+    if reads is not None and not isinstance(reads, StageReads):
+        raise TypeError(f"reads= must be a StageReads (sf.data.stage_reads(pp)), got "
+                        f"{type(reads).__name__}")
+    if reads is None and fields is not None:
+        raise TypeError("fields= says how samples split into (inputs, targets) for reads=; "
+                        "without reads= the loader yields whole samples")
     if num_workers > 0 and dataloader_kwargs.get("multiprocessing_context") is None:
         dataloader_kwargs["multiprocessing_context"] = worker_context()
     kwargs = dict(num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
                   **dataloader_kwargs)
-    return MeshLoader(dataset, layout, sampler, kwargs)
+    return MeshLoader(dataset, layout, sampler, kwargs, reads, check_fields(fields))

@@ -36,7 +36,7 @@ import torch
 import shardfn.memory as mem
 import shardfn.transforms.pipeline._weight_grad as wg
 from shardfn.transforms.pipeline._p2p import NONE, OK, declared_of_value
-from shardfn.transforms.pipeline.batch import batch_rows
+from shardfn.transforms.pipeline.batch import microbatch_rows
 from shardfn.transforms.pipeline.kinds import ActionKind, MessageKind
 from shardfn.transforms.pipeline.report import Event
 from shardfn.transforms.pipeline.schedules import Action
@@ -133,7 +133,8 @@ def _forward(step: StepInputs, progress: Progress, s: int, i: int) -> None:
                 raise ValueError(f"pipeline loss_fn must return a scalar tensor (the mean "
                                  f"over the micro-batch), got {describe(loss)} for "
                                  f"micro-batch {i}")
-            out = loss * (batch_rows(step.inputs[i]) / step.batch)
+            rows = microbatch_rows(step.batch, plan.schedule.n_microbatches, i)
+            out = loss * (rows / step.batch)
             progress.loss = out.detach() if progress.loss is None else \
                 progress.loss + out.detach()
     if s < plan.n_stages - 1:

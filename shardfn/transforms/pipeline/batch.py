@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -33,13 +34,32 @@ import torch
 from shardfn import pytree as pt
 from shardfn.transforms.pipeline.values import describe
 
-__all__ = ["UnitInputs", "as_unit_inputs", "batch_digest", "batch_rows", "batch_signature",
-           "call_unit", "check_batch", "split_microbatches"]
+__all__ = ["READS_ALL", "StageReads", "UnitInputs", "as_unit_inputs", "batch_digest", "batch_rows",
+           "batch_signature", "call_unit", "check_batch", "microbatch_rows", "shape_digest",
+           "split_microbatches"]
 
 #: plain values that go whole to every micro-batch and are compared by value across ranks
 _PLAIN = (int, float, bool, str, type(None))
 #: the keyword ``FunctionalModel.apply`` keeps for itself
 _RESERVED = "mutable"
+
+
+class StageReads(NamedTuple):
+    """What one pp rank reads of a batch: the inputs if it holds stage 0, the targets if it
+    holds the last stage (both on one pp rank, or under a schedule that places the last
+    stage with the first; neither on a middle rank). A side it does not read may be None.
+
+    Example:
+        >>> pp.reads                                   # on the rank of stage 0 of 2 ranks
+        StageReads(inputs=True, targets=False)
+    """
+
+    inputs: bool
+    targets: bool
+
+
+#: a rank that reads the whole batch (one rank holding every stage)
+READS_ALL = StageReads(True, True)
 
 
 class UnitInputs(NamedTuple):
@@ -108,6 +128,17 @@ def batch_rows(tree: Any) -> int:
     return -1
 
 
+def microbatch_rows(rows: int, m: int, i: int) -> int:
+    """Rows of micro-batch ``i`` when ``rows`` are split into ``m`` (``torch.tensor_split``:
+    the first ``rows % m`` get one more).
+
+    Example:
+        >>> [microbatch_rows(5, 3, i) for i in range(3)]
+        [2, 2, 1]
+    """
+    return rows // m + (1 if i < rows % m else 0)
+
+
 def _leaf_text(leaf: Any) -> str:
     if isinstance(leaf, torch.Tensor):
         return f"rows {leaf.shape[0]}" if leaf.dim() else "0-dim"
@@ -147,6 +178,23 @@ def batch_signature(tree: Any) -> tuple | None:
         else:
             return None
     return str(spec), tuple(found)
+
+
+def shape_digest(tree: Any) -> int:
+    """A 63-bit digest of :func:`batch_signature` (structure, each tensor leaf's shape and
+    dtype, each plain value): pp ranks that pass a side compare it, and the shapes a first
+    step inferred are cached under the agreed digests, the same key on every pp rank
+    (also on one that passed None); -1 when there is no signature (nothing cached).
+
+    Example:
+        >>> shape_digest(torch.zeros(2, 3)) == shape_digest(torch.ones(2, 3))
+        True
+    """
+    found = batch_signature(tree)
+    if found is None:
+        return -1
+    return int.from_bytes(hashlib.blake2b(repr(found).encode(), digest_size=8).digest(),
+                          "little") & 0x7FFFFFFFFFFFFFFF
 
 
 def _check_rows(tree: Any, what: str, rows: int | None) -> int | None:
@@ -199,29 +247,54 @@ def _check_inputs(inputs: Any) -> int:
     return rows
 
 
-def check_batch(inputs: Any, targets: Any, microbatches: int, declared: bool) -> int:
+def check_batch(inputs: Any, targets: Any, microbatches: int, declared: bool,
+                reads: StageReads = READS_ALL) -> int:
     """Refuse a batch the step cannot split (on this rank); return its rows.
 
     Args:
-        inputs: the batch's inputs (see the module docstring).
+        inputs: the batch's inputs (see the module docstring); None on a pp rank that does
+            not read them (``reads.inputs`` False).
         targets: None, a tensor, or a tuple/list/dict pytree of them.
         microbatches: the micro-batch count.
         declared: ``shapes=`` was declared (the batch must split evenly).
+        reads: what this pp rank reads (whether it holds stage 0 and the last stage).
+
+    Returns:
+        The batch's rows (the inputs', else the targets'); -2 when this rank was given
+        neither (it reads neither: nothing to check).
 
     Raises:
         TypeError: inputs of another kind, a 0-dim tensor, no tensor at all, keyword names
             that are not strings (or ``"mutable"``).
-        ValueError: tensor leaves whose rows differ (naming the leaf), fewer rows than
-            micro-batches, targets of another batch size, or a batch that does not split
-            evenly when shapes were declared.
+        ValueError: None inputs on a rank that reads them, tensor leaves whose rows differ
+            (naming the leaf), fewer rows than micro-batches, targets of another batch
+            size, or a batch that does not split evenly when shapes were declared.
 
     Example:
         >>> check_batch({"x": torch.zeros(4, 2), "mask": torch.ones(4)}, torch.zeros(4), 2,
         ...             False)
         4
+        >>> check_batch(None, torch.zeros(4), 2, False, StageReads(False, True))
+        4
     """
     m = microbatches
-    batch = _check_inputs(inputs)
+    if inputs is None and reads.inputs:
+        raise ValueError("pipeline: this pp rank holds stage 0, which reads the inputs, but "
+                         "was given inputs=None; pass the batch's inputs here (only ranks "
+                         "without stage 0 may pass None)")
+    if inputs is not None:
+        batch = _check_inputs(inputs)
+    elif isinstance(targets, (tuple, list, Mapping)):
+        batch = _check_rows(targets, "targets", None)
+        if batch is None:
+            return -2
+    elif isinstance(targets, torch.Tensor) and targets.dim():
+        batch = int(targets.shape[0])
+    elif targets is None:
+        return -2
+    else:
+        raise ValueError(f"pipeline targets must be a tensor with a batch dim 0 (or a "
+                         f"tuple/list/dict of such tensors), got {describe(targets)}")
     if batch < m:
         raise ValueError(f"pipeline: a batch of {batch} rows cannot be split into {m} "
                          "micro-batches (each needs at least one row)")

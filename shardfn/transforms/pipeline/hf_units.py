@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from shardfn._functional_hf import pretrained_model_class
+from shardfn.transforms.pipeline.batch import READS_ALL, StageReads
 from shardfn.transforms.pipeline.hf_batch import (
     HFLoss,
     causal_lm_loss,
@@ -217,6 +218,13 @@ class HFPipelineModel(TiedPipelineModel):
     """
 
     counts_tokens: HFLoss | None = None
+
+    @property
+    def reads(self) -> StageReads:
+        """The whole batch on every pp rank: :meth:`batch` packs the inputs and labels (and
+        checks them) on every rank before the step, so none may be None here
+        (``sf.data.stage_reads`` of this model loads everything everywhere)."""
+        return READS_ALL
 
     @property
     def input_keys(self) -> tuple[str, ...]:

@@ -28,21 +28,22 @@ from shardfn.mesh import Mesh
 from shardfn.primitives import collectives
 from shardfn.primitives.reduced import mark_held
 from shardfn.transforms.pipeline._buffers import MessageBuffers
-from shardfn.transforms.pipeline.batch import as_unit_inputs, check_batch
+from shardfn.transforms.pipeline.batch import StageReads, as_unit_inputs, check_batch
 from shardfn.transforms.pipeline.caches import caches_of
 from shardfn.transforms.pipeline.forwards import step_plan
 from shardfn.transforms.pipeline.guard import (
     CallGuard,
-    agree_on_batch,
+    agree_on_step,
     check_leaves,
     exclusive,
+    plan_reads,
     refuse_transforms,
 )
 from shardfn.transforms.pipeline.inference import run_forward
 from shardfn.transforms.pipeline.leaves import CLIP_HELD, gather_over_pp, stage_gather, stage_shard
 from shardfn.transforms.pipeline.runtime import StepPlan, run_step
 from shardfn.transforms.pipeline.schedules import Schedule
-from shardfn.transforms.pipeline.shapes import ShapeCache, signature
+from shardfn.transforms.pipeline.shapes import ShapeCache, cache_key
 from shardfn.transforms.pipeline.stage import Stage
 
 __all__ = ["PipelineModel"]
@@ -169,6 +170,12 @@ class PipelineModel:
         for model in self.stage_models.values():
             found.update(model.specs)
         return {name: found.get(name, spec.P()) for name in self.names}
+
+    @property
+    def reads(self) -> StageReads:
+        """What this pp rank reads of a batch (:func:`~.guard.plan_reads`): it may pass None
+        for the rest; ``sf.data.loader(..., reads=pp.reads)`` loads only these."""
+        return plan_reads(self.plan)[self.rank]
 
     def _mine(self, names: tuple[str, ...]) -> tuple[str, ...]:
         held = {n for stage in self.stages for n in stage.names}
@@ -323,17 +330,18 @@ class PipelineModel:
         even split), every tensor of the inputs and targets alike (:mod:`.batch`). The
         loss of micro-batch ``i`` is scaled by its size over the batch, so with a
         ``loss_fn`` that is a mean over the micro-batch the total is the unsplit mean.
-        Every pp rank passes the same ``inputs`` and ``targets`` (only stage 0 reads the
-        inputs' values, only the last stage the targets).
+        Every pp rank passes the same ``inputs`` and ``targets``, or None for a side it does
+        not read (:attr:`reads`: stage 0 reads the inputs, the last stage the targets).
 
         Args:
             params: this rank's leaves (as from :meth:`init`).
             inputs: the batch's inputs: a tensor (the first unit's argument), a tuple/list
                 of tensors (its positional arguments), a dict (its keyword arguments) or a
                 :class:`~.batch.UnitInputs`; values that are not tensors go whole to
-                every micro-batch.
+                every micro-batch. None on a pp rank without stage 0.
             targets: the batch's targets: a tensor or a tuple/list/dict of them, split like
-                ``inputs`` (``loss_fn`` gets each micro-batch's piece).
+                ``inputs`` (``loss_fn`` gets each micro-batch's piece). None on a pp rank
+                without the last stage.
             report: also return the :class:`~.report.StepReport` (events, live graphs).
             mutable: also return this rank's buffers (BatchNorm statistics) after the
                 step: each stage's forwards update them micro-batch by micro-batch, as
@@ -351,11 +359,12 @@ class PipelineModel:
         Example:
             >>> loss, grads, buffers = pp.value_and_grad(params, x, y, mutable=True)
             >>> loss, grads = pp.value_and_grad(params, {"x": x, "mask": mask}, {"y": y})
+            >>> loss, grads = pp.value_and_grad(params, x, None)  # a rank without the last stage
 
         Raises:
-            ValueError: wrong leaves, a batch smaller than the micro-batch count, an
-                uneven split with declared shapes, a stage error, or pp ranks given different
-                batches (every rank raises). ConcurrentCallError: another thread's call.
+            ValueError: wrong leaves, a batch smaller than the micro-batch count, an uneven
+                split with declared shapes, a stage error, pp ranks given different batches or
+                None for a side a rank reads (all raise). ConcurrentCallError: another thread.
         """
         refuse_transforms("value_and_grad")
         if not isinstance(mutable, bool):
@@ -364,16 +373,16 @@ class PipelineModel:
             raise ValueError("pipeline value_and_grad(mutable=True) is not supported with "
                              "remat= (a recomputed forward would update the buffers again)")
 
+        agreed = agree_on_step(self.plan, inputs, targets, "value_and_grad")  # all raise alike
         def prepare() -> Params:  # on every rank inside the step: a bad call stops them all
-            self._check_call(params, inputs, targets, "value_and_grad")
+            self._check_call(params, inputs, targets)
             refuse_differentiated_state(params, self.full.buffer_names, self.full.frozen_names,
                                         "pipeline value_and_grad")
             trainable = {n for stage in self.stages for n in stage.trainable}
             return {n: t.detach().requires_grad_(True) if n in trainable else t
                     for n, t in params.items()}
 
-        key = signature(inputs, targets, self.schedule.n_microbatches) \
-            if self._caches_shapes else None
+        key = cache_key(agreed, self.schedule.n_microbatches) if self._caches_shapes else None
         inferred = self.shape_cache.get(key)
         loss, grads, step_report = run_step(self.plan, prepare, as_unit_inputs(inputs), targets,
                                             inferred, mutable, self.message_buffers)
@@ -404,8 +413,8 @@ class PipelineModel:
 
         Args:
             params: this rank's leaves.
-            inputs: the batch's inputs (the same on every pp rank): a tensor, a tuple/list
-                or a dict of them, as for :meth:`value_and_grad`.
+            inputs: the batch's inputs (the same on every pp rank; None on one without
+                stage 0): a tensor, a tuple/list or a dict of them, as for value_and_grad.
             mutable: must be False: inference updates no buffers (for the buffers after
                 a training step, ``value_and_grad(..., mutable=True)``).
 
@@ -417,13 +426,13 @@ class PipelineModel:
                              "mutable=True is not supported: for the buffers after a step "
                              "use pp.value_and_grad(params, inputs, targets, mutable=True)")
         refuse_transforms("apply")
+        agreed = agree_on_step(self.plan, inputs, None, "apply")
 
         def prepare() -> Mapping[str, torch.Tensor]:
-            self._check_call(params, inputs, None, "apply")
+            self._check_call(params, inputs, None)
             return params
 
-        key = signature(inputs, None, self.schedule.n_microbatches) if self._caches_shapes \
-            else None
+        key = cache_key(agreed, self.schedule.n_microbatches) if self._caches_shapes else None
         inferred = self.shape_cache.get(key)
         out, shapes = run_forward(self.plan, prepare, as_unit_inputs(inputs), inferred)
         if inferred is None:
@@ -434,10 +443,8 @@ class PipelineModel:
     def _check_params(self, params: Mapping[str, torch.Tensor], subset: bool = False) -> None:
         check_leaves(params, self.names, self.layout, self.rank, subset)
 
-    def _check_call(self, params: Any, inputs: Any, targets: Any, what: str) -> None:
-        """The same batch on every pp rank (a collective), then this rank's leaves and batch."""
-        m = self.schedule.n_microbatches
-        agree_on_batch(self.plan.ax, inputs, targets, m, self.plan.device, what)
+    def _check_call(self, params: Any, inputs: Any, targets: Any) -> None:
+        """This rank's leaves and batch (after :func:`~.guard.agree_on_step`)."""
         self._check_params(params)
-        check_batch(inputs, targets, m, self.plan.declared is not None)
-
+        check_batch(inputs, targets, self.schedule.n_microbatches, self.plan.declared is not None,
+                    self.reads)

@@ -30,9 +30,8 @@ from typing import Any, Literal
 import torch
 
 from shardfn.transforms.pipeline._p2p import Declared, DeclaredValue
-from shardfn.transforms.pipeline.batch import batch_signature
 
-__all__ = ["DYNAMIC", "Dynamic", "ShapeCache", "parse_shapes", "signature"]
+__all__ = ["DYNAMIC", "Dynamic", "ShapeCache", "cache_key", "parse_shapes"]
 
 #: ``shapes="dynamic"``: exchange shapes in a header before every payload, every call
 Dynamic = Literal["dynamic"]
@@ -100,20 +99,22 @@ def parse_shapes(shapes: Any, n_boundaries: int) -> tuple[DeclaredValue, ...] | 
     return tuple(_boundary(e, f"entry {b} (output of stage {b})") for b, e in enumerate(entries))
 
 
-def signature(inputs: Any, targets: Any, microbatches: int) -> tuple | None:
-    """The batch signature shapes are cached under: the inputs' and targets' structure,
-    every tensor leaf's shape and dtype and every plain value (a tuple or dict of inputs
-    is a pytree: :func:`~.batch.batch_signature`), the micro-batch count and the autocast
-    state; None (no cache: headers every call) when a leaf is neither a tensor nor a plain
-    value, or the inputs are not a tensor, tuple, list or dict."""
-    if not isinstance(inputs, (torch.Tensor, tuple, list, Mapping)):
-        return None
-    sides = batch_signature(inputs), batch_signature(targets)
-    if None in sides:
+def cache_key(agreed: tuple[int, int] | None, microbatches: int) -> tuple | None:
+    """The batch signature shapes are cached under: the digests of the inputs' and targets'
+    structure, every tensor leaf's shape and dtype and every plain value
+    (:func:`~.batch.shape_digest`) that the pp ranks passing them agreed on
+    (``agree_on_batch``'s result: the same on every pp rank, also on one given None for a
+    side it does not read), the micro-batch count and the autocast state; None (no cache:
+    headers every call) when ``agreed`` is None (a leaf neither a tensor nor a plain value).
+
+    Example:
+        >>> cache_key(agree_on_step(pp.plan, x, y, "value_and_grad"), 4)
+    """
+    if agreed is None:
         return None
     autocast = tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
                      if torch.is_autocast_enabled(device))  # it changes activation dtypes
-    return *sides, microbatches, autocast
+    return *agreed, microbatches, autocast
 
 
 class ShapeCache:

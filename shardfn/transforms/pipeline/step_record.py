@@ -50,7 +50,7 @@ class StepInputs(NamedTuple):
         inputs: per micro-batch, its piece of the inputs (only stage 0 reads them).
         targets: per micro-batch, its piece of the targets (only the last stage reads them).
         batch: rows of the whole batch (the loss of micro-batch ``i`` is scaled by
-            its rows over these).
+            its rows over these): the inputs', else the targets' (a rank without stage 0).
         inferred: the activation shapes a first step found, or None (``run_step``).
         mutable: thread this rank's buffers through its stages' forwards.
         messenger: the step's messages to and from the other pp ranks (its own state of
@@ -135,8 +135,10 @@ def start_step(plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs: Any, 
         plan: the step plan.
         leaves: this rank's leaves.
         inputs: the whole batch's inputs: a tensor or a :class:`~.batch.UnitInputs`
-            (every tensor split on dim 0 into the micro-batches).
-        targets: the whole batch's targets, or None (inference).
+            (every tensor split on dim 0 into the micro-batches); None on a rank without
+            stage 0.
+        targets: the whole batch's targets, or None (inference, a rank without the last
+            stage, or a loss_fn that takes none).
         messenger: the step's messenger.
         inferred: the shapes a first step found (``run_step``), or None.
         mutable: thread the buffers through the forwards.
@@ -155,9 +157,10 @@ def start_step(plan: StepPlan, leaves: Mapping[str, torch.Tensor], inputs: Any, 
     buffers = None if not mutable else {
         n: leaves[n] for st in mine for n in st.names
         if n not in st.trainable and n in buffer_names}
+    rows = batch_rows(inputs) if inputs is not None else batch_rows(targets)
     step = StepInputs(plan, leaves, tuple(split_microbatches(inputs, m)),
-                      tuple(split_microbatches(targets, m)), batch_rows(inputs), inferred, mutable,
-                      messenger, time.perf_counter())
+                      tuple(split_microbatches(targets, m)), rows, inferred, mutable, messenger,
+                      time.perf_counter())
     progress = Progress(local={}, kept={}, loss=None, buffers=buffers,
                         next_forward={st.index: 0 for st in mine}, seen={},
                         peak_live={st.index: 0 for st in mine})
