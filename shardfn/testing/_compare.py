@@ -14,7 +14,9 @@ naming it, with the errors and, where the pattern is typical, a hint:
 * a padded size, a shard gathered along the wrong dim, a dim not gathered;
 * a block of the result equal to another block of the reference (wrong chunk);
 * only the last (uneven) shard's rows wrong, or only one rank's block;
-* a value equal to its previous value (a stale state).
+* a value equal to its previous value (a stale state);
+* a leaf whose exact gradient is zero, drifting because the optimizer (Adam)
+  amplified round-off: reported only when nothing else differs.
 
 Example:
     >>> compare_runs([{"w": torch.ones(2)}], [[{"w": torch.ones(2)}]], keys=("w",),
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -54,6 +56,8 @@ class Leaf(NamedTuple):
     previous: torch.Tensor | None  # this rank's value in the record before (None at init)
     previous_expected: torch.Tensor | None
     sizes: tuple[int, ...]  # candidate shard counts: mesh axis sizes > 1 and their products
+    grad: torch.Tensor | None = None  # the reference's gradient of this leaf in this record
+    grad_scale: float = 0.0  # the largest |gradient| of any leaf in the reference's record
 
 
 def record_label(index: int) -> str:
@@ -222,12 +226,51 @@ def _blocks_hint(leaf: Leaf, wrong: torch.Tensor) -> list[str]:
     return []
 
 
+ROUNDOFF_EPS = 1e3  # a gradient under this many eps of the record's largest one is round-off
+AMPLIFIED = 100.0  # an update this many times its gradient: the optimizer normalised it
+
+
+def zero_grad_drift(leaf: Leaf) -> str | None:
+    """The hint for a leaf that drifts only because its exact gradient is zero; else None.
+
+    That is: the reference's gradient of the leaf in this step is round-off (at most
+    ``ROUNDOFF_EPS`` eps of the record's largest gradient), yet the reference moved the
+    leaf by ``AMPLIFIED`` times more. An optimizer that normalises the gradient (Adam)
+    turns round-off into lr-sized steps whose sign is noise, so the sharded run and the
+    reference part ways with no sharding bug (an attention key bias: softmax is
+    invariant to it). Needs a ``grads`` record with the leaf's path (``loss_trainer``'s).
+    """
+    grad, before, expected = leaf.grad, leaf.previous_expected, leaf.expected
+    if (grad is None or before is None or not grad.is_floating_point() or leaf.grad_scale <= 0
+            or not grad.numel() or grad.shape != expected.shape
+            or before.shape != expected.shape or leaf.actual.shape != expected.shape):
+        return None
+    size = float(grad.abs().max())
+    update = float((expected.double() - before.double()).abs().max())
+    if size > ROUNDOFF_EPS * torch.finfo(grad.dtype).eps * leaf.grad_scale or (
+            update == 0 or update < AMPLIFIED * size):
+        return None
+    times = f"{update / size:.2g} times its gradient" if size else "with a zero gradient"
+    return (f"{leaf.name} has an exact gradient of zero: the reference's gradient of it is "
+            f"round-off (max |grad| {size:.3g} at {leaf.label}, the largest gradient "
+            f"{leaf.grad_scale:.3g}) yet the reference moved it by up to {update:.3g}, "
+            f"{times}. An optimizer that normalises the gradient (Adam) amplifies round-off "
+            "into lr-sized steps of random sign (e.g. an attention key bias, to which softmax "
+            "is invariant), so the two runs part ways without a sharding bug. Compare with "
+            "SGD (sf.optim.sgd), keep this leaf out of the update (sf.optim.masked) or out of "
+            "the model, or compare the gradients before the update: compare=(\"loss\", "
+            "\"grads\")")
+
+
 def diagnose(leaf: Leaf) -> list[str]:
     """The hints for one differing leaf (possibly none)."""
     if leaf.actual.shape != leaf.expected.shape:
         return _shape_hints(leaf.actual.shape, leaf.expected.shape, leaf.sizes)
     if not (leaf.actual.is_floating_point() or leaf.actual.is_complex()):
         return []
+    drift = zero_grad_drift(leaf)
+    if drift is not None:
+        return [drift]
     wrong = ~torch.isclose(leaf.actual.double(), leaf.expected.double(), rtol=1e-5, atol=1e-8)
     for hint in (_ranks_hint(leaf), _ratio_hint(leaf.actual, leaf.expected, leaf.sizes),
                  _stale_hint(leaf, wrong), _blocks_hint(leaf, wrong)):
@@ -260,20 +303,37 @@ def _errors(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance) -> str
             f"differ (tolerance: {tols})")
 
 
-def fail(leaf: Leaf, tol: Tolerance, n_ranks: int, mesh_shape: Mapping[str, int]) -> None:
-    """Raise the AssertionError for ``leaf``."""
+def fail(leaf: Leaf, tol: Tolerance, n_ranks: int, mesh_shape: Mapping[str, int],
+         drifting: Leaf | None = None) -> None:
+    """Raise the AssertionError for ``leaf`` (noting ``drifting``, a zero-gradient leaf that
+    drifted before, see :func:`zero_grad_drift`)."""
     hints = diagnose(leaf)
     text = (f"assert_sharded_matches: {leaf.name} differs from the reference at {leaf.label} "
             f"on rank {leaf.rank} (of {n_ranks}, mesh {dict(mesh_shape)}):\n  "
             f"{_errors(leaf.actual, leaf.expected, tol)}")
     text += "".join(f"\n  hint: {h}" for h in hints)
+    if drifting is not None:
+        text += (f"\n  note: {drifting.name} differs too (from {drifting.label} on rank "
+                 f"{drifting.rank}), but its gradient is zero up to round-off: that may be "
+                 "only round-off the optimizer amplified")
     raise AssertionError(text)
+
+
+def _grads(record: Record) -> tuple[dict[str, torch.Tensor], float]:
+    """The record's floating gradient leaves by path, and the largest |gradient| among them."""
+    grads = {path: leaf for path, leaf in flatten(record.get("grads", {})).items()
+             if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}
+    scale = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
+    return grads, scale
 
 
 def compare_runs(reference: Sequence[Record], per_rank: Sequence[Sequence[Record]], *,
                  keys: Sequence[str], tolerance: Tolerance, mesh_shape: Mapping[str, int],
                  strict: bool = True) -> None:
     """Compare every rank's records with the reference's, leaf by leaf; raise on the first miss.
+
+    A leaf that drifts only because its exact gradient is zero (:func:`zero_grad_drift`)
+    is reported last: the first other miss, if any, is raised instead (noting the drift).
 
     Args:
         reference: the reference's records (init, then one per step).
@@ -288,9 +348,24 @@ def compare_runs(reference: Sequence[Record], per_rank: Sequence[Sequence[Record
         AssertionError: naming the first differing leaf, record, rank, errors and a hint;
             or a key / leaf path the sharded record lacks or adds.
     """
-    sizes = shard_counts(mesh_shape)
+    drifting = None
+    for leaf in _misses(reference, per_rank, keys, tolerance, shard_counts(mesh_shape), strict):
+        if zero_grad_drift(leaf) is None:
+            fail(leaf, tolerance, len(per_rank), mesh_shape, drifting)
+        if drifting is None:
+            drifting = leaf
+    if drifting is not None:
+        fail(drifting, tolerance, len(per_rank), mesh_shape)
+
+
+def _misses(reference: Sequence[Record], per_rank: Sequence[Sequence[Record]],
+            keys: Sequence[str], tolerance: Tolerance, sizes: tuple[int, ...],
+            strict: bool) -> Iterator[Leaf]:
+    """Every differing leaf (record, key, leaf path, rank order); raises on a missing key or
+    leaf path (see :func:`compare_runs`)."""
     for index, ref_record in enumerate(reference):
         label = record_label(index)
+        ref_grads, grad_scale = _grads(ref_record)
         for key in keys:
             if key not in ref_record or (not strict and any(key not in records[index]
                                                              for records in per_rank)):
@@ -315,11 +390,12 @@ def compare_runs(reference: Sequence[Record], per_rank: Sequence[Sequence[Record
             for path, expected in expected_leaves.items():
                 expected = _as_tensor(expected)
                 values = [_as_tensor(leaves[path]) for leaves in rank_leaves]
+                grad = ref_grads.get(path) if key != "grads" else None
                 for rank, actual in enumerate(values):
                     if actual.shape == expected.shape and _close(actual, expected, tolerance):
                         continue
                     before = previous[rank].get(path)
-                    fail(Leaf(_leaf_name(key, path), label, rank, actual, expected, values,
-                              None if before is None else _as_tensor(before),
-                              None if path not in prev_ref else _as_tensor(prev_ref[path]),
-                              sizes), tolerance, len(per_rank), mesh_shape)
+                    yield Leaf(_leaf_name(key, path), label, rank, actual, expected, values,
+                               None if before is None else _as_tensor(before),
+                               None if path not in prev_ref else _as_tensor(prev_ref[path]),
+                               sizes, grad, grad_scale)

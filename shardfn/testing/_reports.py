@@ -1,4 +1,4 @@
-"""How the local world describes durations and dead ranks (private to ``local_world``)."""
+"""How the local world describes durations, failures and dead ranks (private to ``local_world``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,36 @@ import numbers
 import os
 import signal
 import textwrap
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["crash_stacks", "dead_report", "exit_text", "indent", "seconds"]
+__all__ = ["RemoteFailure", "crash_stacks", "dead_report", "error_summary", "exit_text",
+           "indent", "seconds"]
+
+_SUMMARY_CHARS = 300  # a headline quotes at most this much of the error
+
+
+class RemoteFailure(NamedTuple):
+    """What a rank sends back when the function it ran raised."""
+
+    traceback: str  # the formatted traceback, chained exceptions included
+    summary: str  # "ValueError: <the last line of its message>", see error_summary
+
+
+def error_summary(error: BaseException) -> str:
+    """``"<exception type>: <last non-empty line of its message>"``, for a one-line headline.
+
+    The type alone for an empty message; cut to 300 characters.
+
+    Example:
+        >>> error_summary(ValueError("leaf 'w'\nexpected 3 dims"))
+        'ValueError: expected 3 dims'
+    """
+    try:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the failure
+        lines = ["<the message could not be read>"]
+    text = type(error).__qualname__ + (f": {lines[-1]}" if lines else "")
+    return text if len(text) <= _SUMMARY_CHARS else text[: _SUMMARY_CHARS - 3] + "..."
 
 
 def exit_text(exitcode: int | None) -> str:

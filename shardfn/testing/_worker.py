@@ -4,7 +4,7 @@ Private to ``local_world``, which holds the API and the failure semantics.
 
 A worker joins the gloo group (over loopback only), then runs the cloudpickled
 ``(fn, args, kwargs)`` requests it receives on its command pipe and answers
-``(request_id, "ok", value, False)`` or ``(request_id, "err", traceback_text,
+``(request_id, "ok", value, False)`` or ``(request_id, "err", RemoteFailure,
 group_may_be_broken)``. A watchdog thread answers stack requests on a second
 pipe, so the parent can say what a hung rank is doing, and counts the rank's
 progress in shared memory (see :func:`_watchdog`); it also ends the process
@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 import cloudpickle
 
 from shardfn.testing import _process
+from shardfn.testing._reports import RemoteFailure, error_summary
 
 STOP = b"stop"
 _STOP_WAIT_S = 5.0  # how long shutdown waits for a clean exit before killing
@@ -411,7 +412,7 @@ def main(
             trace = trace.tb_next if trace is not None and trace.tb_next is not None else trace
             broken = failures() != failed_before or _distributed_error(error, dist)
             text = "".join(traceback.format_exception(type(error), error, trace))
-            reply = (request_id, "err", text, broken)
+            reply = (request_id, "err", RemoteFailure(text, error_summary(error)), broken)
             del error, trace
         try:
             if reset_state is not None:
@@ -421,8 +422,9 @@ def main(
             if reset_check is not None:
                 reset_check()
             payload = cloudpickle.dumps(reply)
-        except BaseException:
-            payload = cloudpickle.dumps((request_id, "err", traceback.format_exc(), False))
+        except BaseException as error:  # e.g. a result that cannot be pickled
+            failure = RemoteFailure(traceback.format_exc(), error_summary(error))
+            payload = cloudpickle.dumps((request_id, "err", failure, False))
         del reply
         cmd.send_bytes(payload)
     _process.stop_children()

@@ -20,13 +20,14 @@ docs/local_world.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
 import os
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from time import monotonic
 from typing import Any
@@ -47,6 +48,10 @@ _CHECK_OFF = ("", "0", "false", "no", "off")  # as shardfn.primitives.consistenc
 
 class RankError(RuntimeError):
     """A function run on the local world failed on ``rank``.
+
+    The message's first line says who raised what where: ``<the function's qualified
+    name> raised <ExceptionType>: <last line of its message> on rank <r>``; every rank's
+    report (tracebacks, stacks) follows.
 
     Attributes:
         rank: the rank at fault (the first to fail).
@@ -193,8 +198,8 @@ class LocalWorld:
                 raise
             if all(replies.get(rank, ("",))[0] == "ok" for rank in range(self.size)):
                 return [replies[rank][1] for rank in range(self.size)]
-            name = getattr(fn, "__qualname__", repr(fn))
-            raise self._failure(name, why, (timeout, deadline), replies, pending)
+            raise self._failure(_function_name(fn), why, (timeout, deadline), replies,
+                                pending)
 
     def close(self) -> None:
         """Stop the workers (cleanly, else by SIGKILL) and reap them; idempotent.
@@ -365,7 +370,7 @@ class LocalWorld:
         for r in range(self.size):
             kind, value, _ = replies.get(r, ("pending", None, True))
             if kind == "err":
-                lines.append(f"rank {r} raised:\n{_indent(value)}")
+                lines.append(f"rank {r} raised:\n{_indent(value.traceback)}")
             elif kind == "dead":
                 lines.append(self._dead(r, value))
             elif kind == "pending":
@@ -383,7 +388,9 @@ class LocalWorld:
         details = "\n".join(lines)
         if errors and not dead:
             first = errors[0]
-            return RankError(first, replies[first][1], f"{name} raised on rank {first}\n{details}")
+            failure = replies[first][1]
+            return RankError(first, failure.traceback,
+                             f"{name} raised {failure.summary} on rank {first}\n{details}")
         first = sorted(dead)[0] if dead else pending[0]  # a death is the likelier root cause
         if dead:
             head = f"rank(s) {sorted(dead)} died while running {name}"
@@ -397,23 +404,36 @@ class LocalWorld:
         return WorldTimeout(first, stack, f"{head}\n{details}", tuple(sorted(dead + pending)))
 
 
-@contextlib.contextmanager
+def _function_name(fn: Any) -> str:
+    """How an error names the function a run ran: its qualified name (a partial's function's)."""
+    inner = fn.func if isinstance(fn, functools.partial) and not hasattr(fn, "__qualname__") else fn
+    name = getattr(inner, "__qualname__", None)
+    return name if isinstance(name, str) else f"<{type(inner).__qualname__} object>"
+
+
 def local_world(size: int, *, timeout: float = 120.0, deadline: float | None = None,
                 grace: float = 2.0, pg_timeout: float | None = None,
                 check: bool | None = None,
-                start_timeout: float = DEFAULT_START_TIMEOUT_S) -> Iterator[LocalWorld]:
-    """Start a ``LocalWorld`` of ``size`` processes for a ``with`` block, closing it on exit.
+                start_timeout: float = DEFAULT_START_TIMEOUT_S) -> LocalWorld:
+    """Start a ``LocalWorld`` of ``size`` processes now: use it in a ``with`` block or keep it.
 
-    Takes the arguments of :class:`LocalWorld`.
+    Takes the arguments of :class:`LocalWorld` and returns one, which is its own context
+    manager: ``with local_world(n) as world:`` closes it when the block ends, while
+    ``world = local_world(n)`` (a notebook) keeps it open until ``world.close()``, until
+    the object is garbage-collected (the name rebound, e.g. by running the cell again),
+    or at interpreter exit, whichever comes first. Either way no process outlives it.
+
+    Returns:
+        A started :class:`LocalWorld`.
 
     Example:
         >>> with local_world(4) as world:
         ...     world.run(lambda: torch.distributed.get_world_size())
         [4, 4, 4, 4]
+        >>> world = local_world(2)          # a notebook: one world for many cells
+        >>> world.run(lambda: torch.distributed.get_rank())
+        [0, 1]
+        >>> world.close()
     """
-    world = LocalWorld(size, timeout=timeout, deadline=deadline, grace=grace,
-                       pg_timeout=pg_timeout, check=check, start_timeout=start_timeout)
-    try:
-        yield world
-    finally:
-        world.close()
+    return LocalWorld(size, timeout=timeout, deadline=deadline, grace=grace,
+                      pg_timeout=pg_timeout, check=check, start_timeout=start_timeout)

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -349,8 +350,9 @@ def assert_sharded_matches(sharded: Callable[[Any], Trainer],
     ref = reference() if callable(reference) and not isinstance(reference, Trainer) else reference
     expected = _run_trainer(ref, batches, None, None)
     n = math.prod(shape.values())
-    per_rank = _worlds.resolve(world, n).run(_on_rank, sharded, shape, batches, split,
-                                             tuple(compare))
+    on_rank = functools.partial(_on_rank, sharded)  # a RankError's headline names `sharded`
+    on_rank.__qualname__ = getattr(sharded, "__qualname__", type(sharded).__qualname__)
+    per_rank = _worlds.resolve(world, n).run(on_rank, shape, batches, split, tuple(compare))
     compared = [key for key in compare if any(key in record for record in expected)]
     if not compared:
         raise ValueError(f"assert_sharded_matches: the reference reports none of {compare} "

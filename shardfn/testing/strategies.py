@@ -9,7 +9,9 @@
   transformer-like, with tied weights, a buffer, a frozen layer).
 
 Everything drawn is a plain, picklable value (dicts, tuples, ``P``, frozen
-dataclasses), so it can be shipped to a local world.
+dataclasses), so it can be shipped to a local world. Needs hypothesis, a test
+dependency (``pip install 'shardfn[test]'``); without it, importing this module
+raises ``ModuleNotFoundError`` saying so.
 
 Example:
     >>> @given(mesh=meshes(max_ranks=4), data=st.data())
@@ -24,7 +26,16 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
-from hypothesis import strategies as st
+
+try:
+    from hypothesis import strategies as st
+except ModuleNotFoundError as missing:  # hypothesis is a test dependency, not a runtime one
+    if missing.name is None or missing.name.split(".")[0] != "hypothesis":
+        raise
+    raise ModuleNotFoundError(
+        "shardfn.testing.strategies needs hypothesis, which is not installed: install the "
+        "test extra, pip install 'shardfn[test]' (or just pip install hypothesis)",
+        name="hypothesis") from missing
 
 from shardfn.spec import P
 from shardfn.testing.tiny_models import TinyModel
