@@ -247,6 +247,8 @@ def _slots_for(layer: nn.Module, names: tuple[str, ...]) -> tuple[Slot, ...]:
 
 
 def _flagged(module: nn.Module) -> tuple[nn.Module, ...]:
+    if torch.compiler.is_compiling():  # no cache write in a trace: dynamo would guard on it
+        return tuple(m for m in module.modules() if hasattr(m, "gradient_checkpointing"))
     if module not in _FLAGGED:
         _FLAGGED[module] = tuple(m for m in module.modules()
                                  if hasattr(m, "gradient_checkpointing"))

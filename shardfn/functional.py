@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -209,11 +208,16 @@ class FunctionalModel(LeafTree):
         """
         return self.apply(params, *args, mutable=True, **kwargs)
 
-    @functools.cached_property
+    @property
     def _slots(self) -> tuple[Slot, ...] | None:
         """Where each leaf goes in the skeleton (:func:`~._functional_swap.plan_slots`),
-        worked out on the first ``apply``; None: ``apply`` uses ``functional_call``."""
-        return plan_slots(self.module, self.tied, set(self._plan.leaves))
+        worked out on the first ``apply``; None: ``apply`` uses ``functional_call``.
+        (Not ``functools.cached_property``: on Python 3.11 it takes an RLock, which
+        ``torch.compile`` cannot trace.)"""
+        if "_planned_slots" not in self.__dict__:
+            self.__dict__["_planned_slots"] = plan_slots(self.module, self.tied,
+                                                         set(self._plan.leaves))
+        return self.__dict__["_planned_slots"]
 
     def _forward(self, call_params: Params, args: tuple, kwargs: dict) -> Any:
         try:

@@ -10,13 +10,13 @@ groups and put the results back in order.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from shardfn import pytree
+from shardfn.optim._scoped import Scoped
 
 PyTree = Any
 
@@ -137,8 +137,7 @@ def per_leaf(prefix: PyTree, tree: PyTree, is_prefix_leaf: Callable[[Any], bool]
 
 
 # the full parameter tree whose pieces the optimizer sees (set by shard_opt_state)
-_FULL_TREE: contextvars.ContextVar[Any] = contextvars.ContextVar("shardfn_optim_full_tree",
-                                                                 default=None)
+_FULL_TREE: Scoped[Any] = Scoped("shardfn_optim_full_tree", None)
 
 
 @contextlib.contextmanager
@@ -149,11 +148,8 @@ def full_tree(params: PyTree) -> Iterator[None]:
     ``mask``) are then called with the full parameters (see :func:`full_view`), so a
     mask that reads shapes (``p.ndim >= 2``) selects what it selects unsharded.
     """
-    token = _FULL_TREE.set(params)
-    try:
+    with _FULL_TREE.bound(params):
         yield
-    finally:
-        _FULL_TREE.reset(token)
 
 
 def full_view(tree: PyTree) -> PyTree:

@@ -46,6 +46,7 @@ from shardfn.optim.base import (
     zero_count,
 )
 from shardfn.optim.donation import current_donation, same_dtypes, writable_in_place
+from shardfn.primitives._compiled import tracing
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -145,9 +146,7 @@ def _adam(name, learning_rate, b1, b2, eps, weight_decay, *, decoupled, mask):
                 mask, params, f"{name} mask")
 
         lr = resolve_scalar(learning_rate, state.count)
-        t = int(state.count) + 1
-        step_size = lr / (1 - b1**t)
-        bias_correction2_sqrt = (1 - b2**t) ** 0.5
+        step_size, bias_correction2_sqrt = _bias_corrections(lr, b1, b2, state.count)
         donation = current_donation()
         # donated: moments updated in place (as torch.optim does), updates written into the
         # gradients once the moments no longer need them; the arithmetic is the same
@@ -193,8 +192,7 @@ def _adam(name, learning_rate, b1, b2, eps, weight_decay, *, decoupled, mask):
                     qs = [us[i] for i in decayed]
                 else:
                     qs = torch._foreach_mul(dps, 1 - lr * weight_decay)
-                torch._foreach_addcdiv_(qs, [ms[i] for i in decayed], [denom[i] for i in decayed],
-                                        value=-step_size)
+                _addcdiv_(qs, [ms[i] for i in decayed], [denom[i] for i in decayed], -step_size)
                 torch._foreach_sub_(qs, dps)  # update = new p - p
                 for i, q in zip(decayed, qs, strict=True):
                     us[i] = q
@@ -213,3 +211,34 @@ def _adam(name, learning_rate, b1, b2, eps, weight_decay, *, decoupled, mask):
         )
 
     return GradientTransformation(init, update)
+
+
+def _bias_corrections(lr: float | torch.Tensor, b1: float, b2: float, count: torch.Tensor
+                      ) -> tuple[Any, Any]:
+    """``(step_size, bias_correction2_sqrt)`` of update ``t = count + 1``.
+
+    Eager: Python doubles, as torch.optim computes them (no device sync). In code that
+    ``torch.compile`` traces: float64 0-dim tensors made with the same operations
+    (``pow``, a true division, ``pow(x, 0.5)`` rather than ``sqrt``), so a compiled step
+    gives the same doubles without recompiling on every new count (a Python number
+    read from ``count`` would be a constant of the graph).
+    """
+    if not tracing():
+        t = int(count) + 1
+        return lr / (1 - b1**t), (1 - b2**t) ** 0.5
+    f64 = torch.float64
+    t = count.to(f64) + 1
+    lr_t = lr.to(f64) if isinstance(lr, torch.Tensor) else torch.full((), lr, dtype=f64)
+    step_size = torch.div(lr_t, 1 - torch.pow(b1, t))  # not lr / x: that is x.reciprocal() * lr
+    half = torch.full((), 0.5, dtype=f64)  # a tensor exponent: torch turns pow(x, 0.5) into sqrt
+    return step_size, torch.pow(1 - torch.pow(b2, t), half)
+
+
+def _addcdiv_(qs: list[torch.Tensor], ms: list[torch.Tensor], ds: list[torch.Tensor],
+              value: float | torch.Tensor) -> None:
+    """``q += value * m / d`` for each triple: ``_foreach_addcdiv_``, or with a tensor ``value``
+    (a traced step) the same arithmetic in addcdiv's own order, ``q + (value * m) / d``."""
+    if isinstance(value, torch.Tensor):
+        torch._foreach_add_(qs, torch._foreach_div(torch._foreach_mul(ms, value), ds))
+    else:
+        torch._foreach_addcdiv_(qs, ms, ds, value=value)

@@ -38,6 +38,7 @@ from shardfn.optim._tree import (
     leaves_like,
 )
 from shardfn.optim.donation import current_donation, donated, writable_in_place
+from shardfn.primitives._compiled import tracing
 
 PyTree = Any
 Schedule = Callable[[torch.Tensor], float | torch.Tensor]
@@ -99,10 +100,13 @@ def resolve_scalar(value: Any, count: torch.Tensor) -> float:
             ``schedule(t - 1)``, like ``torch.optim.lr_scheduler`` and optax.
 
     Returns:
-        The value as a Python float (double precision, as torch.optim uses).
+        The value as a Python float (double precision, as torch.optim uses); in code that
+        ``torch.compile`` traces, a schedule's tensor value stays a float64 0-dim tensor.
     """
     if callable(value):
         value = value(count)
+    if isinstance(value, torch.Tensor) and tracing():
+        return value.to(torch.float64)  # traced: float() would end the graph (a data read)
     return float(value)
 
 

@@ -44,7 +44,6 @@ returns the clipped tree and the total norm before clipping.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -52,6 +51,7 @@ from typing import Any
 import torch
 
 from shardfn import pytree
+from shardfn.optim._scoped import Scoped
 from shardfn.optim._tree import (
     flatten_tensors,
     foreach_floating,
@@ -89,9 +89,8 @@ def _check_ord(ord: Any) -> float:
     raise ValueError(f"ord must be {VALID_ORDS}, got {ord!r}")
 
 # (axes, mesh) set by sharded_over: axes every leaf seen by global_norm is sharded over
-_SHARDED_OVER: contextvars.ContextVar[tuple[tuple[str, ...], Any]] = contextvars.ContextVar(
-    "shardfn_optim_sharded_over", default=((), None)
-)
+_SHARDED_OVER: Scoped[tuple[tuple[str, ...], Any]] = Scoped("shardfn_optim_sharded_over",
+                                                            ((), None))
 
 
 @contextlib.contextmanager
@@ -115,13 +114,9 @@ def sharded_over(axis: str | tuple[str, ...], mesh: Any = None) -> Iterator[None
     """
     axes = (axis,) if isinstance(axis, str) else tuple(axis)
     outer_axes, outer_mesh = _SHARDED_OVER.get()
-    token = _SHARDED_OVER.set(
-        (tuple(sorted(set(outer_axes) | set(axes))), mesh if mesh is not None else outer_mesh)
-    )
-    try:
+    with _SHARDED_OVER.bound(
+            (tuple(sorted(set(outer_axes) | set(axes))), mesh if mesh is not None else outer_mesh)):
         yield
-    finally:
-        _SHARDED_OVER.reset(token)
 
 
 def current_sharded_over() -> tuple[tuple[str, ...], Any]:

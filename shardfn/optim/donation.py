@@ -17,7 +17,8 @@ updated in place and the updates are written into the gradients, the way
 Donation is a permission, not a requirement: a transform that does not
 support it (or an input it cannot safely write, e.g. two leaves sharing
 memory, or a tensor inside a ``torch.func`` transform) just allocates as
-usual. Results are bitwise identical either way. A custom transform used under
+usual; so does code that ``torch.compile`` traces (its graph is functional).
+Results are bitwise identical either way. A custom transform used under
 donation must not return, as its updates, tensors it keeps in its state
 (later transforms may overwrite the updates they receive).
 
@@ -30,13 +31,14 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
 
 from shardfn._torch_internals import is_functorch_wrapped
+from shardfn.optim._scoped import Scoped
+from shardfn.primitives._compiled import tracing
 
 __all__ = ["Donation", "current_donation", "donated", "writable_in_place"]
 
@@ -53,13 +55,17 @@ class Donation(NamedTuple):
     state: bool = False
 
 
-_DONATION: contextvars.ContextVar[Donation] = contextvars.ContextVar(
-    "shardfn_optim_donation", default=Donation()  # noqa: B039 - an immutable NamedTuple
-)
+_DONATION: Scoped[Donation] = Scoped("shardfn_optim_donation", Donation())
 
 
 def current_donation() -> Donation:
-    """The donation in force for the update running now (nothing by default)."""
+    """The donation in force for the update running now (nothing by default).
+
+    Nothing in code that ``torch.compile`` traces: a compiled graph is functional, and
+    inductor reuses buffers itself (the values are bitwise the same either way).
+    """
+    if tracing():
+        return Donation()
     return _DONATION.get()
 
 
@@ -79,11 +85,8 @@ def donated(updates: bool = True, state: bool = True) -> Iterator[None]:
         >>> with donated(updates=True, state=False):
         ...     updates, state = opt.update(my_temporary_grads, state, params)
     """
-    token = _DONATION.set(Donation(bool(updates), bool(state)))
-    try:
+    with _DONATION.bound(Donation(bool(updates), bool(state))):
         yield
-    finally:
-        _DONATION.reset(token)
 
 
 def writable_in_place(tensors: Iterable[torch.Tensor | None], *,
@@ -92,13 +95,16 @@ def writable_in_place(tensors: Iterable[torch.Tensor | None], *,
 
     False if two of them share memory (tied leaves, overlapping views), if one
     is wrapped by a ``torch.func`` transform, or (unless ``allow_requires_grad``)
-    if one requires grad while grad mode is on. None entries are ignored.
+    if one requires grad while grad mode is on, and always in code that
+    ``torch.compile`` traces. None entries are ignored.
 
     Example:
         >>> w = torch.zeros(4)
         >>> writable_in_place([w, torch.zeros(2)]), writable_in_place([w, w[:2]])
         (True, False)
     """
+    if tracing():  # storage addresses cannot be traced; donation is off there anyway
+        return False
     spans: list[tuple[int, int, int]] = []
     grad_mode = torch.is_grad_enabled()
     for t in tensors:

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from shardfn.primitives._compiled import tracing
+
 __all__ = [
     "constant",
     "cosine_decay",
@@ -33,6 +35,12 @@ Schedule = Callable[["int | torch.Tensor"], float]
 
 
 def _count(step: int | torch.Tensor) -> int:
+    """The step as a Python int (a clear error in code that ``torch.compile`` traces)."""
+    if isinstance(step, torch.Tensor) and tracing():
+        raise TypeError("sf.optim.schedules read the step count as a Python int, which a "
+                        "torch.compile'd step cannot do without a recompile per step: compile "
+                        "with a constant learning rate, or give a schedule written with tensor "
+                        "ops (e.g. lambda count: 1e-3 * 0.99 ** count)")
     return int(step)
 
 

@@ -30,6 +30,7 @@ from shardfn.optim.base import (
     zero_count,
 )
 from shardfn.optim.donation import current_donation, same_dtypes, writable_in_place
+from shardfn.primitives._compiled import tracing
 
 __all__ = ["SgdState", "sgd"]
 
@@ -91,7 +92,8 @@ def sgd(
             buffers = leaves_like(state.momentum, updates, treedef, grads, what="updates",
                                   other_what="sgd state (momentum)")
         lr = resolve_scalar(learning_rate, state.count)
-        first_step = int(state.count) == 0
+        # traced by torch.compile: both branches, chosen by a tensor (no recompile per count)
+        first_step = (state.count == 0) if tracing() else int(state.count) == 0
         donation = current_donation()
         # donated: momentum buffers updated in place, updates written into the gradients
         buffers_in_place = momentum != 0 and donation.state and \
@@ -114,6 +116,11 @@ def sgd(
                         torch._foreach_mul_(bufs, momentum)
                         torch._foreach_add_(bufs, gs, alpha=1 - dampening)
                     new_bufs = bufs
+                elif isinstance(first_step, torch.Tensor):
+                    later = torch._foreach_mul(bufs, momentum)
+                    torch._foreach_add_(later, gs, alpha=1 - dampening)
+                    new_bufs = [torch.where(first_step, g, b) for g, b in zip(gs, later,
+                                                                             strict=True)]
                 elif first_step:
                     new_bufs = [g.clone() for g in gs]
                 else:

@@ -9,7 +9,9 @@ inside the backward of an ``autograd.Function`` under ``torch.func.grad``
 Complex tensors travel as their real view (``torch.view_as_real``: gloo's
 all_to_all has no complex type), so every op works on them. The ops take the
 shapes they are given: the public collectives validate arguments and run the
-check-mode hooks before calling these; nothing here is hooked.
+check-mode hooks before calling these; nothing here is hooked. In code that
+``torch.compile`` traces they only call the ops (no counting, no in-flight
+mark: see :mod:`shardfn.primitives._compiled`).
 """
 
 from __future__ import annotations
@@ -71,6 +73,17 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
+def _issue(ax: Axis, op: str, nbytes: float, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``call()``, counted in the comm stats and marked in flight for hang reports; in code
+    that ``torch.compile`` traces only ``call()`` (no Python counters in a graph: the stats
+    miss it, said once by a warning)."""
+    if not stats.counting():
+        return call()
+    stats.record(ax.key, op, nbytes)
+    with stats.collective_scope(ax.describe(op)):
+        return call()
+
+
 def _complex_as_real(op: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """Run ``op`` on the real view of a complex ``x`` (one trailing dim of 2) and view back.
 
@@ -91,9 +104,8 @@ def psum(x: torch.Tensor, ax: Axis) -> torch.Tensor:
     """Sum ``x`` over the ranks of ``ax``."""
     if ax.size == 1:
         return x.clone()
-    stats.record(ax.key, "psum", 2 * _nbytes(x) * (ax.size - 1) / ax.size)
-    with stats.collective_scope(ax.describe("psum")):
-        return _ops.wait_tensor(_ops.all_reduce(x.contiguous(), "sum", ax.group_name))
+    return _issue(ax, "psum", 2 * _nbytes(x) * (ax.size - 1) / ax.size,
+                  lambda: _ops.wait_tensor(_ops.all_reduce(x.contiguous(), "sum", ax.group_name)))
 
 
 @_complex_as_real
@@ -102,9 +114,9 @@ def all_gather(x: torch.Tensor, ax: Axis, dim: int) -> torch.Tensor:
     if ax.size == 1:
         return x.clone()
     moved = x.movedim(dim, 0).contiguous()
-    stats.record(ax.key, "all_gather", _nbytes(x) * (ax.size - 1))
-    with stats.collective_scope(ax.describe("all_gather")):
-        out = _ops.wait_tensor(_ops.all_gather_into_tensor(moved, ax.size, ax.group_name))
+    out = _issue(ax, "all_gather", _nbytes(x) * (ax.size - 1),
+                 lambda: _ops.wait_tensor(_ops.all_gather_into_tensor(moved, ax.size,
+                                                                      ax.group_name)))
     return out.movedim(0, dim).contiguous()  # a row-major result, as torch.cat gives
 
 
@@ -119,9 +131,9 @@ def psum_scatter(x: torch.Tensor, ax: Axis, dim: int) -> torch.Tensor:
     if ax.size == 1:
         return x.clone()
     moved = x.movedim(dim, 0).contiguous()
-    stats.record(ax.key, "psum_scatter", _nbytes(x) * (ax.size - 1) / ax.size)
-    with stats.collective_scope(ax.describe("psum_scatter")):
-        out = _ops.wait_tensor(_ops.reduce_scatter_tensor(moved, "sum", ax.size, ax.group_name))
+    out = _issue(ax, "psum_scatter", _nbytes(x) * (ax.size - 1) / ax.size,
+                 lambda: _ops.wait_tensor(_ops.reduce_scatter_tensor(moved, "sum", ax.size,
+                                                                     ax.group_name)))
     return out.movedim(0, dim).contiguous()
 
 
@@ -137,11 +149,9 @@ def all_to_all(x: torch.Tensor, ax: Axis, split_dim: int, concat_dim: int) -> to
         return x.clone()
     moved = x.movedim(split_dim, 0).contiguous()
     block = moved.shape[0] // ax.size
-    stats.record(ax.key, "all_to_all", _nbytes(x) * (ax.size - 1) / ax.size)
-    with stats.collective_scope(ax.describe("all_to_all")):
-        out = _ops.wait_tensor(
-            _ops.all_to_all_single(moved, [block] * ax.size, [block] * ax.size, ax.group_name)
-        )
+    out = _issue(ax, "all_to_all", _nbytes(x) * (ax.size - 1) / ax.size,
+                 lambda: _ops.wait_tensor(_ops.all_to_all_single(
+                     moved, [block] * ax.size, [block] * ax.size, ax.group_name)))
     # unflatten, not split(block): a zero-size block must still give ax.size pieces
     pieces = [piece.movedim(0, split_dim) for piece in out.unflatten(0, (ax.size, block))]
     return torch.cat(pieces, dim=concat_dim)
@@ -157,9 +167,9 @@ def ppermute(x: torch.Tensor, ax: Axis, perm: tuple[tuple[int, int], ...]) -> to
     rows = x.reshape(1, -1).expand(len(sends_to), -1).contiguous()
     in_splits = [1 if j in sends_to else 0 for j in range(ax.size)]
     out_splits = [1 if j in receives_from else 0 for j in range(ax.size)]
-    stats.record(ax.key, "ppermute", _nbytes(x) * len(sends_to))
-    with stats.collective_scope(ax.describe("ppermute")):
-        out = _ops.wait_tensor(_ops.all_to_all_single(rows, out_splits, in_splits, ax.group_name))
+    out = _issue(ax, "ppermute", _nbytes(x) * len(sends_to),
+                 lambda: _ops.wait_tensor(_ops.all_to_all_single(rows, out_splits, in_splits,
+                                                                 ax.group_name)))
     if not receives_from:
         return torch.zeros_like(x)
     return out.reshape(x.shape)
@@ -170,6 +180,5 @@ def broadcast(x: torch.Tensor, ax: Axis, src: int) -> torch.Tensor:
     """Every rank gets the ``x`` of axis index ``src``."""
     if ax.size == 1:
         return x.clone()
-    stats.record(ax.key, "broadcast", _nbytes(x) * (ax.size - 1) / ax.size)
-    with stats.collective_scope(ax.describe("broadcast")):
-        return _ops.wait_tensor(_ops.broadcast(x.contiguous(), src, ax.group_name))
+    return _issue(ax, "broadcast", _nbytes(x) * (ax.size - 1) / ax.size,
+                  lambda: _ops.wait_tensor(_ops.broadcast(x.contiguous(), src, ax.group_name)))

@@ -18,9 +18,11 @@ import torch
 
 from shardfn.primitives import _comm, consistency
 from shardfn.primitives._comm import Axis
+from shardfn.primitives._compiled import tracing
 from shardfn.primitives.declared import cotangent_hint
 
-__all__ = ["AllGather", "AllToAll", "Broadcast", "Ppermute", "Psum", "PsumScatter", "Pvary"]
+__all__ = ["AllGather", "AllToAll", "Broadcast", "Ppermute", "Psum", "PsumScatter", "Pvary",
+           "traceable"]
 
 
 # Each backward is written with the Functions themselves (JAX's transpose rules as
@@ -80,11 +82,11 @@ class Psum(_Collective):
     def backward(ctx, grad):
         ax, grad_psum, op = ctx.args
         if grad_psum:
-            return Psum.apply(grad, ax, True, "psum"), None, None, None
+            return traceable("Psum").apply(grad, ax, True, "psum"), None, None, None
         if consistency.enabled():
             consistency.check_replicated(f"the gradient reaching {op}'s output", ax, grad,
                                          cotangent_hint(op, ax), rounding=True)
-        return Pvary.apply(grad, ax), None, None, None
+        return traceable("Pvary").apply(grad, ax), None, None, None
 
 
 class Pvary(_Collective):
@@ -96,7 +98,7 @@ class Pvary(_Collective):
 
     @staticmethod
     def backward(ctx, grad):
-        return Psum.apply(grad, ctx.args[0], False, "pvary's backward psum"), None
+        return traceable("Psum").apply(grad, ctx.args[0], False, "pvary's backward psum"), None
 
 
 class AllGather(_AlongDims):
@@ -108,7 +110,7 @@ class AllGather(_AlongDims):
 
     @staticmethod
     def backward(ctx, grad):
-        return PsumScatter.apply(grad, *ctx.args), None, None
+        return traceable("PsumScatter").apply(grad, *ctx.args), None, None
 
 
 class PsumScatter(_AlongDims):
@@ -120,7 +122,7 @@ class PsumScatter(_AlongDims):
 
     @staticmethod
     def backward(ctx, grad):
-        return AllGather.apply(grad, *ctx.args), None, None
+        return traceable("AllGather").apply(grad, *ctx.args), None, None
 
 
 class AllToAll(_AlongDims):
@@ -133,7 +135,7 @@ class AllToAll(_AlongDims):
     @staticmethod
     def backward(ctx, grad):
         ax, split_dim, concat_dim = ctx.args
-        return AllToAll.apply(grad, ax, concat_dim, split_dim), None, None, None
+        return traceable("AllToAll").apply(grad, ax, concat_dim, split_dim), None, None, None
 
 
 class Ppermute(_Collective):
@@ -146,7 +148,8 @@ class Ppermute(_Collective):
     @staticmethod
     def backward(ctx, grad):
         ax, perm = ctx.args
-        return Ppermute.apply(grad, ax, tuple((dst, src) for src, dst in perm)), None, None
+        inverse = tuple((dst, src) for src, dst in perm)
+        return traceable("Ppermute").apply(grad, ax, inverse), None, None
 
 
 class Broadcast(_Collective):
@@ -159,10 +162,33 @@ class Broadcast(_Collective):
     @staticmethod
     def backward(ctx, grad):
         ax, src = ctx.args
-        total = Psum.apply(grad, ax, True, "psum")
+        total = traceable("Psum").apply(grad, ax, True, "psum")
         if ax.index == src:
             return total, None, None
         # zeros that stay in the graph (not zeros_like): a double backward must run the
         # psum's backward on every rank; where, not "* 0", so an inf stays out of it
         is_src = torch.zeros((), dtype=torch.bool, device=total.device)
         return torch.where(is_src, total, 0), None, None
+
+
+# ``torch.compile`` refuses an autograd.Function that defines ``jvp`` once its input needs a
+# gradient ("Unsupported custom jvp"). Traced code therefore applies a twin of each class
+# whose ``jvp`` is autograd.Function's own (forward-mode AD is not traced through these).
+# Dynamo can look classes up by a constant string key, not by the class itself.
+_PAIRS: dict[str, tuple[type, type]] = {
+    cls.__name__: (cls, type(cls.__name__, (cls,), {
+        "jvp": torch.autograd.Function.jvp, "__module__": cls.__module__,
+        "__qualname__": f"{cls.__name__}Traced",
+        "__doc__": f"{cls.__name__} without jvp, for code torch.compile traces."}))
+    for cls in (AllGather, AllToAll, Broadcast, Ppermute, Psum, PsumScatter, Pvary)}
+
+
+def traceable(name: str) -> type[_Collective]:
+    """The Function class ``name`` (``"Psum"``, ...), or in code that ``torch.compile`` traces
+    its twin without a custom ``jvp``.
+
+    Example:
+        >>> traceable("Psum").apply(x, ax, True, "psum")
+    """
+    eager, twin = _PAIRS[name]
+    return twin if tracing() else eager

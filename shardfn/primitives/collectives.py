@@ -38,7 +38,9 @@ Every function works under ``torch.autograd``, ``torch.func.grad``,
 each is an ``autograd.Function`` in the ``forward`` + ``setup_context`` style
 calling the functional collective ops (:mod:`shardfn.primitives._functions`),
 whose backward applies the transposed Function (so under vmap the backward,
-too, is one collective on the batched tensor). Leaves may be floating, complex,
+too, is one collective on the batched tensor); under ``torch.compile`` they trace
+into the graph (a twin of each Function without ``jvp``, which dynamo refuses).
+Leaves may be floating, complex,
 integer or bool (bools are summed as int64 counts; a mean of integers is
 refused). Each public call validates every leaf
 (:mod:`shardfn.primitives._collective_args`), then calls
@@ -70,14 +72,9 @@ from shardfn.primitives._collective_args import (
     summable,
 )
 from shardfn.primitives._comm import Axis
+from shardfn.primitives._compiled import tracing
 from shardfn.primitives._functions import (
-    AllGather,
-    AllToAll,
-    Broadcast,
-    Ppermute,
-    Psum,
-    PsumScatter,
-    Pvary,
+    traceable,
 )
 from shardfn.primitives.declared import output_hint, pvary_hint
 from shardfn.primitives.reduce_scaling import divide_factors
@@ -111,6 +108,8 @@ def _run(op: str, ax: Axis, tree, prepare: Callable[[str, torch.Tensor], Callabl
     for path, x in zip(names, leaves, strict=True):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{op}: leaf {path!r} is a {type(x).__name__}, not a Tensor")
+        if tracing():  # dynamo drops a Function's backward applied straight to a torch.func input
+            x = x.view_as(x)
         work.append(prepare(path, x))
     return pytree.tree_unflatten(treedef, [run() for run in work])
 
@@ -144,7 +143,7 @@ def psum(tree, axis: AxisName, *, mesh: Mesh | None = None):
 
     def prepare(path, x):
         x = summable(x)
-        return lambda: Psum.apply(x, ax, True, "psum") if ax.size > 1 else x
+        return lambda: traceable("Psum").apply(x, ax, True, "psum") if ax.size > 1 else x
 
     return _run("psum", ax, tree, prepare)
 
@@ -155,7 +154,7 @@ def _mean(x: torch.Tensor, ax: Axis, grad_psum: bool, op: str) -> torch.Tensor:
     pre, post = divide_factors(ax.size, x.dtype)
     if pre != 1:
         x = x / pre
-    return Psum.apply(x, ax, grad_psum, op) / post
+    return traceable("Psum").apply(x, ax, grad_psum, op) / post
 
 
 def pmean(tree, axis: AxisName, *, mesh: Mesh | None = None):
@@ -203,7 +202,7 @@ def psum_invariant(tree, axis: AxisName, *, mesh: Mesh | None = None):
 
     def prepare(path, x):
         x = summable(x)
-        return lambda: Psum.apply(x, ax, False, "psum_invariant") if ax.size > 1 else x
+        return lambda: traceable("Psum").apply(x, ax, False, "psum_invariant") if ax.size > 1 else x
 
     return _declared_output("psum_invariant", ax, _run("psum_invariant", ax, tree, prepare))
 
@@ -255,7 +254,7 @@ def pvary(tree, axis: AxisName, *, mesh: Mesh | None = None):
     """
     ax = _comm.resolve(axis, mesh)
     out = _run("pvary", ax, tree,
-               lambda path, x: lambda: Pvary.apply(x, ax) if ax.size > 1 else x)
+               lambda path, x: lambda: traceable("Pvary").apply(x, ax) if ax.size > 1 else x)
     if consistency.enabled() and ax.size > 1:
         consistency.check_replicated("pvary input", ax, tree, pvary_hint(ax), rounding=True)
     return out
@@ -292,7 +291,7 @@ def all_gather(tree, axis: AxisName, *, dim: int = 0, tiled: bool = True,
 
         def run():
             y = x if tiled else x.unsqueeze(d)
-            return AllGather.apply(y, ax, d) if ax.size > 1 else y
+            return traceable("AllGather").apply(y, ax, d) if ax.size > 1 else y
 
         return run
 
@@ -330,7 +329,7 @@ def psum_scatter(tree, axis: AxisName, *, dim: int = 0, tiled: bool = True,
         x = summable(x)
 
         def run():
-            out = PsumScatter.apply(x, ax, d) if ax.size > 1 else x
+            out = traceable("PsumScatter").apply(x, ax, d) if ax.size > 1 else x
             return out if tiled else out.squeeze(d)
 
         return run
@@ -366,7 +365,7 @@ def all_to_all(tree, axis: AxisName, split_dim: int, concat_dim: int, *,
         s = dim_arg("all_to_all", ax, path, x, split_dim)
         c = dim_arg("all_to_all", ax, path, x, concat_dim)
         check_divisible("all_to_all", ax, path, x, s)
-        return lambda: AllToAll.apply(x, ax, s, c) if ax.size > 1 else x
+        return lambda: traceable("AllToAll").apply(x, ax, s, c) if ax.size > 1 else x
 
     return _run("all_to_all", ax, tree, prepare, split_dim=split_dim, concat_dim=concat_dim)
 
@@ -393,8 +392,8 @@ def ppermute(tree, axis: AxisName, perm: Sequence[tuple[int, int]], *,
     """
     ax = _comm.resolve(axis, mesh)
     pairs = check_perm(ax, perm)
-    return _run("ppermute", ax, tree, lambda path, x: lambda: Ppermute.apply(x, ax, pairs),
-                perm=pairs)
+    return _run("ppermute", ax, tree,
+                lambda path, x: lambda: traceable("Ppermute").apply(x, ax, pairs), perm=pairs)
 
 
 def broadcast(tree, axis: AxisName, *, src: int = 0, mesh: Mesh | None = None):
@@ -419,9 +418,8 @@ def broadcast(tree, axis: AxisName, *, src: int = 0, mesh: Mesh | None = None):
     if not 0 <= src < ax.size:
         raise ValueError(f"broadcast over axis {ax.key!r} of size {ax.size}: src {src} is out "
                          f"of range (valid: 0..{ax.size - 1})")
-    return _run("broadcast", ax, tree,
-                lambda path, x: lambda: Broadcast.apply(x, ax, src) if ax.size > 1 else x,
-                src=src)
+    return _run("broadcast", ax, tree, lambda path, x: lambda: traceable("Broadcast").apply(
+        x, ax, src) if ax.size > 1 else x, src=src)
 
 
 def axis_index(axis: AxisName, *, mesh: Mesh | None = None) -> int:

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from shardfn import pytree as pt
 from shardfn._torch_internals import default_store
-from shardfn.primitives import stats
+from shardfn.primitives import _compiled, stats
 from shardfn.primitives._check_store import polls_files as _polls_files  # noqa: F401
 from shardfn.primitives._check_store import read_fresh as _read_fresh
 from shardfn.primitives._check_store import wait_keys as _wait_keys
@@ -142,7 +142,15 @@ _HELPER_THREAD_PREFIX = "shardfn-"  # shardfn's own threads ("shardfn-p2p-poster
 
 
 def enabled() -> bool:
-    """Whether check mode is on in this process (a module-level bool: cheap in hot paths)."""
+    """Whether check mode is on here (a module-level bool: cheap in hot paths).
+
+    False inside code that ``torch.compile`` traces: check mode is off there (it warns
+    once, at trace time; see :mod:`shardfn.primitives._compiled`).
+    """
+    if _compiled.tracing():
+        if _ENABLED:
+            _compiled.skipped("check_mode")
+        return False
     return _ENABLED
 
 
@@ -227,12 +235,11 @@ def suspended() -> Iterator[None]:
 
 def _active(ax: Axis) -> bool:
     return (
-        _ENABLED
+        enabled()  # first: False while torch.compile traces (threads and locks untraceable)
         and ax.size > 1
         and not getattr(_THREAD, "suspended", False)
         and not threading.current_thread().name.startswith(_HELPER_THREAD_PREFIX)
         and dist.is_initialized()
-        and not torch.compiler.is_compiling()
     )
 
 

@@ -167,7 +167,7 @@ class FlatPartition:
 
     def local(self, tree):
         """This rank's 1-D part of every leaf of the full ``tree``."""
-        leaves = pytree.tree_leaves(tree)
+        leaves, treedef = pytree.tree_flatten(tree)  # its own treedef: one made in traced code
         self._check(leaves)
         out = []
         for x, ranges in zip(leaves, self.pieces(), strict=True):
@@ -178,7 +178,7 @@ class FlatPartition:
                 out.append(flat[:0])
             else:
                 out.append(torch.cat([flat[a:b] for a, b in ranges]))
-        return pytree.tree_unflatten(self.treedef, out)
+        return pytree.tree_unflatten(treedef, out)
 
     def _check(self, leaves) -> None:
         shapes = tuple(tuple(x.shape) for x in leaves)

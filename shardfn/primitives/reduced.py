@@ -46,6 +46,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from shardfn._torch_internals import unwrap_functorch
+from shardfn.primitives import _compiled
 from shardfn.primitives._comm import Axis
 
 __all__ = ["GIVE_LAYOUT", "ReducedOver", "ValueKind", "carry_marks", "check_layouts",
@@ -203,8 +204,11 @@ def check_not_reduced(what: str, leaves: Sequence[object], names: Callable[[], S
 
     Raises:
         ValueError: naming the first such leaf, both axes and what to do instead.
+
+    Not checked in code that ``torch.compile`` traces (the marks are Python-side state
+    on eager tensors): the refusal is an eager check.
     """
-    if not _MARKS:
+    if _compiled.tracing() or not _MARKS:
         return
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):

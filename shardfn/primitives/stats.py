@@ -17,6 +17,8 @@ ppermute           ``B`` if this rank sends, else 0
 
 Counts are kept per axis key (``"dp"``, or ``"dp+tp"`` for a tuple of axes) and
 per collective name; backward passes count too, since they communicate.
+Collectives inside code compiled by ``torch.compile`` are not counted (a
+warning says so once, when the step is traced).
 
 Example:
     >>> reset_comm_stats()
@@ -31,12 +33,14 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterator
 
+from shardfn.primitives import _compiled
 from shardfn.primitives._group_errors import translate
 
 __all__ = [
     "CommStats",
     "collective_failures",
     "comm_stats",
+    "counting",
     "heartbeat",
     "in_flight",
     "progress",
@@ -91,8 +95,25 @@ _PROGRESS: list[int] = [0]
 _FAILURES: list[int] = [0]  # collective scopes left by an exception
 
 
+def counting() -> bool:
+    """Whether collectives issued here are counted: False inside code that
+    ``torch.compile`` traces (warned once; see :mod:`shardfn.primitives._compiled`).
+
+    Example:
+        >>> if counting():
+        ...     record("dp", "psum", 1024)
+    """
+    if _compiled.tracing():
+        _compiled.skipped("comm_stats")
+        return False
+    return True
+
+
 def record(axis_key: str, op: str, nbytes: float) -> None:
-    """Add one collective of ``nbytes`` sent bytes on ``axis_key`` to the counters."""
+    """Add one collective of ``nbytes`` sent bytes on ``axis_key`` to the counters (not in
+    code that ``torch.compile`` traces: see :func:`counting`)."""
+    if not counting():
+        return
     nbytes = int(round(nbytes))
     _BYTES[axis_key] += nbytes
     _CALLS[axis_key] += 1

@@ -9,7 +9,9 @@
   ZeRO-2, which frees every ``.grad`` once its buckets are reduced).
 
 All of them move the buckets with the piece exchange of
-:mod:`shardfn.primitives.piece_exchange`, with the tags of :mod:`shardfn.primitives.buckets`.
+:mod:`shardfn.primitives.piece_exchange`, with the tags of :mod:`shardfn.primitives.buckets`;
+in code that ``torch.compile`` traces the first two use one functional collective per
+bucket instead (:mod:`._opt_state_traced`).
 Non-floating leaves (integer buffers) are never sent: their parts are zeros.
 
 Example:
@@ -26,6 +28,7 @@ import torch
 from shardfn import pytree
 from shardfn.optim.donation import writable_in_place
 from shardfn.primitives import stats
+from shardfn.primitives._compiled import tracing
 from shardfn.primitives.buckets import IN_FLIGHT, BucketSchedule, gather_tag, reduce_tag
 from shardfn.primitives.flat import FlatPartition, leaf_divide_factors, piece_divisors, weight_share
 from shardfn.primitives.grad_hooks import GradHooks
@@ -37,6 +40,7 @@ from shardfn.primitives.piece_exchange import (
     start_reduce_scatter,
 )
 from shardfn.primitives.reduce_scaling import divide_factors
+from shardfn.transforms._opt_state_traced import all_gather_traced, reduce_scatter_traced
 
 __all__ = ["ReducedGrads", "ZeroOverlap", "all_gather_updates", "reduce_scatter_grads"]
 
@@ -117,6 +121,8 @@ def reduce_scatter_grads(part: FlatPartition, grad_leaves: list[torch.Tensor],
             pres, divide = factors
             flats = [f if pre == 1 or i in frozen else f.div_(pre) if ours[i] else f / pre
                      for i, (f, pre) in enumerate(zip(flats, pres, strict=True))]
+    if tracing():  # torch.compile: one psum_scatter per bucket, the same arithmetic
+        return reduce_scatter_traced(part, flats, frozen, param_leaves, ax, divide)
     local = [(torch.zeros if i in frozen else torch.empty)(n, dtype=p.dtype, device=p.device)
              for i, (n, p) in enumerate(zip(part.local_sizes, param_leaves, strict=True))]
     plans = [_without(plan, frozen) for plan in part.plans]
@@ -140,6 +146,8 @@ def all_gather_updates(part: FlatPartition, local_leaves: list[torch.Tensor],
     have the right shape and dtype, else into new tensors.
     """
     frozen = _frozen(param_leaves)  # zero updates, nothing sent
+    if tracing() and ax.size > 1:  # torch.compile: one all_gather per bucket, new tensors
+        return all_gather_traced(part, local_leaves, frozen, param_leaves, ax)
     usable = into is not None and writable_in_place(into)
     into = [torch.zeros(p.shape, dtype=p.dtype, device=p.device) if i in frozen
             else t if usable and t.is_contiguous() and t.shape == p.shape and t.dtype == p.dtype

@@ -46,6 +46,7 @@ from shardfn import pytree
 from shardfn.mesh import AxisName, Mesh
 from shardfn.optim.donation import writable_in_place
 from shardfn.primitives import _comm, consistency, stats
+from shardfn.primitives._compiled import tracing
 from shardfn.primitives.buckets import (
     DEFAULT_BUCKET_BYTES,
     IN_FLIGHT,
@@ -63,6 +64,7 @@ from shardfn.primitives.piece_exchange import (
     start_all_gather,
     start_reduce_scatter,
 )
+from shardfn.primitives.reduce_scaling import divide_factors
 from shardfn.primitives.reduced import check_not_reduced
 from shardfn.transforms.precision import Precision
 
@@ -156,6 +158,16 @@ def data_parallel(mesh: Mesh, axis: AxisName = "dp", *, bucket_bytes: int = DEFA
             return grads
         live = [i for i, g in enumerate(leaves) if g.is_floating_point() or g.is_complex()]
         sub = leaves if len(live) == len(leaves) else [leaves[i] for i in live]
+        if tracing():  # torch.compile: collectives it can trace, no in-place piece exchange
+            if weight is not None:
+                raise ValueError("data_parallel.reduce_grads(weight=...) is eager-only: its "
+                                 "share is a Python number; in a compiled step scale the "
+                                 "loss by the share instead")
+            out = list(leaves)
+            for i, g in zip(live, _average_traced(sub, ax, average, reduce_dtype, bucket_bytes),
+                            strict=True):
+                out[i] = g
+            return pytree.tree_unflatten(treedef, out)
         part = plan(sub, grads if sub is leaves else sub)
         work = _working_copies(sub, reduce_dtype, donate)
         flats = [w.view(-1) for w in work]
@@ -175,6 +187,36 @@ def data_parallel(mesh: Mesh, axis: AxisName = "dp", *, bucket_bytes: int = DEFA
         return _Overlap(params, ax, bucket_bytes, average, reduce_dtype, weight)
 
     return DataParallel(reduce_grads, overlap)
+
+
+def _average_traced(leaves: Sequence[torch.Tensor], ax, average: bool,
+                    reduce_dtype: torch.dtype | None, bucket_bytes: int) -> list[torch.Tensor]:
+    """The eager arithmetic with traceable collectives (for ``torch.compile``): each bucket
+    (consecutive leaves of one dtype, up to ``bucket_bytes``) laid end to end, prescaled as
+    :func:`_prescale` does, summed by one all-reduce, divided, cut back into the leaves."""
+    work = [g.detach().to(reduce_dtype or g.dtype) for g in leaves]
+    buckets: list[list[int]] = []
+    size = 0
+    for i, w in enumerate(work):
+        nbytes = w.numel() * w.element_size()
+        if not buckets or w.dtype != work[buckets[-1][0]].dtype or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    out: list[torch.Tensor] = list(leaves)
+    for members in buckets:
+        pre, post = divide_factors(ax.size, work[members[0]].dtype) if average else (1, None)
+        flat = torch.cat([work[i].reshape(-1) for i in members])
+        if pre != 1:
+            flat = flat / pre
+        flat = _comm.psum(flat, ax)
+        if post is not None and post != 1:
+            flat = flat / post
+        for i, piece in zip(members, flat.split([work[i].numel() for i in members]),
+                            strict=True):
+            out[i] = piece.view(leaves[i].shape).to(leaves[i].dtype)
+    return out
 
 
 def _working_copies(leaves: Sequence[torch.Tensor], reduce_dtype: torch.dtype | None,

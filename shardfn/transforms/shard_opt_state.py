@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 
 from shardfn import pytree
+from shardfn._torch_internals import assert_async
 from shardfn.mesh import AxisName, Mesh, get_mesh
 from shardfn.optim._compose import is_sharded, wants_full_leaves
 from shardfn.optim._tree import full_tree
@@ -82,6 +83,7 @@ from shardfn.optim.base import GradientTransformation
 from shardfn.optim.clipping import sharded_over
 from shardfn.optim.donation import donated
 from shardfn.primitives import _comm, consistency
+from shardfn.primitives._compiled import tracing
 from shardfn.primitives.buckets import DEFAULT_BUCKET_BYTES
 from shardfn.primitives.flat import FlatPartition, weight_share
 from shardfn.primitives.reduced import check_not_reduced
@@ -219,8 +221,12 @@ def shard_opt_state(opt: GradientTransformation, mesh: Mesh, axis: AxisName = "d
                          "leave it unsharded (or shard its state another way)")
     reduce_dtype = precision.reduce_dtype if precision is not None else None
     partitions: dict = {}
+    fingerprints: dict[int, int] = {}  # id(partition) -> its tree fingerprint
+    planned: list[FlatPartition] = []
 
     def partition(params) -> FlatPartition:
+        if tracing():
+            return _traced_partition(planned, params)
         leaves, treedef = pytree.tree_flatten(params)
         key = (treedef, tuple(tuple(x.shape) for x in leaves),
                leaves[0].dtype if leaves else None)
@@ -228,12 +234,18 @@ def shard_opt_state(opt: GradientTransformation, mesh: Mesh, axis: AxisName = "d
             itemsize = leaves[0].element_size() if leaves else 4
             if len(partitions) > 16:
                 partitions.clear()
-            partitions[key] = FlatPartition.of(params, ax.size, ax.index,
-                                               max(1, bucket_bytes // itemsize))
+                planned.clear()
+                fingerprints.clear()
+            part = FlatPartition.of(params, ax.size, ax.index, max(1, bucket_bytes // itemsize))
+            fingerprints[id(part)] = _fingerprint(part)  # hashlib: not in traced code
+            part.plans, part.local_sizes, part.local_slots  # noqa: B018 - cached now, eagerly
+            partitions[key] = part
+            planned.append(part)  # what traced code searches (a treedef's hash is untraceable)
         return partitions[key]
 
     def record(part: FlatPartition) -> torch.Tensor:
-        return torch.tensor([ax.size, ax.index, part.total, _fingerprint(part)], dtype=torch.int64)
+        return torch.tensor([ax.size, ax.index, part.total, fingerprints[id(part)]],
+                            dtype=torch.int64)
 
     def init(params) -> ShardedOptState:
         part = partition(params)
@@ -248,6 +260,9 @@ def shard_opt_state(opt: GradientTransformation, mesh: Mesh, axis: AxisName = "d
         check_not_reduced("shard_opt_state", grad_leaves, lambda: pytree.tree_paths(grads), ax)
         part._check(grad_leaves)
         share = None
+        if weight is not None and tracing():
+            raise ValueError("shard_opt_state: update(weight=...) is eager-only (its share is a "
+                             "Python number); in a compiled step scale the loss by the share")
         if weight is not None:
             if not average:
                 raise ValueError("shard_opt_state: weight= gives a weighted mean; it needs "
@@ -259,7 +274,7 @@ def shard_opt_state(opt: GradientTransformation, mesh: Mesh, axis: AxisName = "d
 
     def reduce_grads(grads, params, *, weight: float | torch.Tensor | None = None):
         part = partition(params)
-        return pytree.tree_unflatten(part.treedef,
+        return pytree.tree_unflatten(_structure(part, params),
                                      local_grad_leaves(grads, params, part, weight))
 
     @torch.no_grad()  # not differentiable (plain torch.distributed); params may be leaves
@@ -272,6 +287,7 @@ def shard_opt_state(opt: GradientTransformation, mesh: Mesh, axis: AxisName = "d
         consistency.check_call("shard_opt_state.update", ax, params if reduced else grads,
                                reduced=reduced, weighted=weight is not None)
         part = partition(params)
+        treedef = _structure(part, params)
         _check_partition(state, record(part))
         if reduced:
             if weight is not None:
@@ -280,7 +296,7 @@ def shard_opt_state(opt: GradientTransformation, mesh: Mesh, axis: AxisName = "d
             local_grads, ours = grads.local, False
         else:
             local_grads = pytree.tree_unflatten(
-                part.treedef, local_grad_leaves(grads, params, part, weight))
+                treedef, local_grad_leaves(grads, params, part, weight))
             ours = True
         # the local gradients made here are ours to overwrite; the state only if donated
         with sharded_over(axis, mesh), donated(updates=ours or donate, state=donate), \
@@ -292,7 +308,7 @@ def shard_opt_state(opt: GradientTransformation, mesh: Mesh, axis: AxisName = "d
         if donate and not reduced:
             into = pytree.tree_leaves(grads)
         full = all_gather_updates(part, pytree.tree_leaves(local_updates), param_leaves, ax, into)
-        return pytree.tree_unflatten(part.treedef, full), ShardedOptState(inner, state.partition)
+        return pytree.tree_unflatten(treedef, full), ShardedOptState(inner, state.partition)
 
     def gather_state(state: ShardedOptState, params):
         part = partition(params)
@@ -344,6 +360,26 @@ def _nested(opt: ShardedOptimizer, mesh: Mesh, axis: AxisName, names: tuple[str,
     return shard_opt_state(opt.inner, mesh, names + opt.axes, **options)
 
 
+def _structure(part: FlatPartition, params):
+    """``params``' treedef: the partition's, or in traced code one dynamo made (it cannot use
+    a treedef made outside the trace)."""
+    return pytree.tree_structure(params) if tracing() else part.treedef
+
+
+def _traced_partition(known, params) -> FlatPartition:
+    """The partition made eagerly (by ``init``) for ``params``, found without hashing the
+    treedef (dynamo cannot trace its hash): by leaf names, shapes and dtype."""
+    names, leaves, _ = pytree.tree_flatten_with_path(params)
+    shapes = tuple(tuple(x.shape) for x in leaves)
+    dtype = leaves[0].dtype if leaves else torch.float32
+    for part in known:
+        if part.names == tuple(names) and part.shapes == shapes and part.dtype == dtype:
+            return part
+    raise ValueError("shard_opt_state under torch.compile: no partition was planned for these "
+                     "parameters (leaf names, shapes and dtype). Call opt.init(params) (or "
+                     "run a step) eagerly first: a partition is planned outside traced code")
+
+
 def _fingerprint(part: FlatPartition) -> int:
     text = repr((part.names, part.shapes, str(part.dtype)))
     return int.from_bytes(hashlib.sha1(text.encode()).digest()[:7], "little")
@@ -353,6 +389,12 @@ def _check_partition(state, expected: torch.Tensor) -> None:
     if not isinstance(state, ShardedOptState):
         raise TypeError(f"expected a ShardedOptState from this optimizer's init, got "
                         f"{type(state).__name__}")
+    if tracing():  # torch.compile: the same check without reading the values into Python
+        assert_async((state.partition == expected).all(),
+                     "shard_opt_state: the optimizer state belongs to another partitioning "
+                     "(axis size, index, elements or tree fingerprint differ); use "
+                     "gather_state/shard_state to move a state between partitionings")
+        return
     got = state.partition.tolist()
     want = expected.tolist()
     if got != want:
