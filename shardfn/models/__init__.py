@@ -18,6 +18,7 @@ from shardfn.models.gpt import (
     gpt_tp_plan,
     gpt_units,
 )
+from shardfn.models.moe import Experts, MoE, MoEAux
 
 __all__ = ["GPT", "MLP", "Attention", "AttentionCore", "Block", "Embed", "GPTConfig", "LMHead",
-           "gpt_tp_plan", "gpt_units"]
+           "gpt_tp_plan", "gpt_units", "Experts", "MoE", "MoEAux"]

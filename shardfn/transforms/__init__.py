@@ -3,6 +3,7 @@
 from shardfn.transforms._fsdp_tp import FsdpTpLayout, FsdpTpModel
 from shardfn.transforms.accumulate import accumulate_grads, split_batch
 from shardfn.transforms.data_parallel import DataParallel, data_parallel
+from shardfn.transforms.experts import ExpertParallelModel, expert_parallel
 from shardfn.transforms.loss_scale import (
     LossScaler,
     ScaleState,
@@ -34,6 +35,7 @@ from shardfn.transforms.vocab_parallel import vocab_parallel_cross_entropy
 __all__ = [
     "Colwise",
     "DataParallel",
+    "ExpertParallelModel",
     "FsdpTpLayout",
     "FsdpTpModel",
     "FusedLayout",
@@ -58,6 +60,7 @@ __all__ = [
     "all_finite",
     "cast_floating",
     "data_parallel",
+    "expert_parallel",
     "dynamic_loss_scale",
     "shard_opt_state",
     "shard_params",
