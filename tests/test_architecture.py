@@ -259,7 +259,7 @@ def test_layers_import_only_downwards():
 #: modules before it (placement/choose, plan, exchange, the call's parts, api)
 SHARD_PARAMS_ORDER = ("placement", "choose", "plan", "exchange", "tree", "unit_modes",
                       "accumulator", "prefetch", "deferred", "record", "steps", "forward",
-                      "backward", "functions", "call", "compose", "leaves", "api")
+                      "backward", "functions", "call", "compose", "leaves", "compiled", "api")
 
 
 def test_shard_params_layers_import_only_downwards():

@@ -108,7 +108,11 @@ def check_apply(model: TensorSplitModel, args: tuple, kwargs: Mapping[str, Any])
 @contextlib.contextmanager
 def note_plan(model: TensorSplitModel) -> Iterator[None]:
     """Add the plan to a ``RuntimeError`` raised by the split model (type and traceback kept):
-    a torch shape error there is usually a plan whose split activations reach unsplit code."""
+    a torch shape error there is usually a plan whose split activations reach unsplit code.
+    Not in a compiled step (dynamo cannot trace ``add_note``)."""
+    if torch.compiler.is_compiling():
+        yield
+        return
     try:
         yield
     except RuntimeError as error:

@@ -197,6 +197,13 @@ class _Scatter(torch.autograd.Function):
         return tangent.narrow(dim, start, block).clone()
 
 
+class _ScatterTraced(_Scatter):
+    """``_Scatter`` for code ``torch.compile`` traces: dynamo refuses a Function that
+    defines its own ``jvp`` (forward-mode AD is not traced through it)."""
+
+    jvp = staticmethod(torch.autograd.Function.jvp)
+
+
 def _dim(layout: P | None, axis: str, path: str, what: str) -> int | None:
     """The dim a layout splits over ``axis`` (None: replicated), after checking it."""
     if layout is None:
@@ -238,7 +245,10 @@ def relayout(x: Any, have: P | None, want: P | None, axis: str, mesh: Mesh, path
         block = x.shape[dst] // tp
         if tp == 1:
             return x
-        return _Scatter.apply(x, axis, mesh, dst, axis_index(axis, mesh=mesh) * block, block)
+        start = axis_index(axis, mesh=mesh) * block
+        if torch.compiler.is_compiling():  # through a view: see shard_params/compiled.py
+            return _ScatterTraced.apply(x.view_as(x), axis, mesh, dst, start, block)
+        return _Scatter.apply(x, axis, mesh, dst, start, block)
     return all_to_all(x, axis, split_dim=dst, concat_dim=src, mesh=mesh).contiguous()
 
 

@@ -232,7 +232,11 @@ class TensorSplitModel(FunctionalNames):
         for name in self.fmodel.buffer_names:
             call_params[name] = call_params[name].clone()
         with call_streams(self.mesh.index(self.axis)), note_plan(self), shared_inputs():
-            out = call_module(self.module, call_params, args, kwargs)
+            if torch.compiler.is_compiling():  # call_module fills global caches: a first
+                out = torch.func.functional_call(  # call in a trace would recompile later
+                    self.module, call_params, args, kwargs, tie_weights=True, strict=True)
+            else:
+                out = call_module(self.module, call_params, args, kwargs)
         if not mutable:
             return out
         return out, {name: call_params[name] for name in self.fmodel.buffer_names}

@@ -45,8 +45,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["StreamsState", "call_streams", "rank_seed", "rank_stream", "replay_streams",
-           "set_streams", "streams_state"]
+__all__ = ["StreamsState", "call_streams", "rank_seed", "rank_stream", "refuse_compiled_draws",
+           "replay_streams", "set_streams", "streams_state"]
 
 _MASK = (1 << 63) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -101,6 +101,9 @@ def call_streams(rank: int) -> Iterator[None]:
     Args:
         rank: this rank's index on the tensor-parallel axis.
     """
+    if torch.compiler.is_compiling():  # no streams in a compiled step: refuse_compiled_draws
+        yield
+        return
     streams = _CallStreams(rank)
     token = _CURRENT.set(streams)
     try:
@@ -109,6 +112,37 @@ def call_streams(rank: int) -> Iterator[None]:
         _CURRENT.reset(token)
         if streams.drew:
             torch.randint(0, 1 << 62, (), dtype=torch.int64)
+
+
+#: attributes that hold a dropout probability in torch's modules and the common model code
+_DROPOUT_ATTRS = ("p", "dropout", "dropout_p", "attention_dropout", "attn_dropout")
+
+
+def refuse_compiled_draws(module: torch.nn.Module, path: str) -> None:
+    """Under ``torch.compile``: raise if a split-region module in training mode may draw.
+
+    The per-rank streams swap generator states around the module, which a compiled
+    graph cannot do; drawing from the global generator instead would give every rank
+    the same masks (not the unsplit model's distribution). A module whose dropout
+    probabilities (``p``, ``dropout``, ``dropout_p``, ... of it and its submodules) are
+    all 0 draws nothing and runs as it is.
+
+    Raises:
+        NotImplementedError: naming the module and the probability found.
+
+    Example:
+        >>> refuse_compiled_draws(nn.Dropout(0.0), "blocks.0.attn.core")   # fine
+    """
+    for sub_path, sub in module.named_modules():
+        for attr in _DROPOUT_ATTRS:
+            value = getattr(sub, attr, 0.0)
+            if isinstance(value, float) and value > 0.0:
+                where = f"{path}.{sub_path}" if sub_path else path
+                raise NotImplementedError(
+                    f"tensor_split under torch.compile: the split-region module {where!r} "
+                    f"has {attr}={value} in training mode; per-rank dropout streams "
+                    "(SplitRNG / SequenceParallel) run in eager steps only. Compile with "
+                    "dropout 0 in split regions, call .eval(), or run the step eagerly")
 
 
 def _default_generator(device: torch.device) -> torch.Generator:

@@ -51,7 +51,7 @@ from torch import nn
 
 from shardfn.mesh import Mesh
 from shardfn.primitives import axis_index, pvary
-from shardfn.transforms._tp_rng import rank_stream
+from shardfn.transforms._tp_rng import rank_stream, refuse_compiled_draws
 
 __all__ = ["PvaryParams", "SequenceParallel", "SplitRNG", "check_sequence", "shared_input",
            "shared_inputs", "wrap_sequence"]
@@ -114,6 +114,9 @@ class RankRNGModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.training:
+            return self.inner(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            refuse_compiled_draws(self.inner, self.path)
             return self.inner(*args, **kwargs)
         with rank_stream(_devices(args)):
             return self.inner(*args, **kwargs)
@@ -205,10 +208,28 @@ _SHARED: contextvars.ContextVar[list | None] = contextvars.ContextVar("tp_shared
                                                                      default=None)
 
 
+class _CompiledScope:
+    """The cache of a compiled ``apply`` call: dynamo traces an attribute write, not
+    ``ContextVar.set`` (a traced call runs on one thread, start to end)."""
+
+    def __init__(self) -> None:
+        self.cache: list | None = None  # an instance attribute from the start: no guard change
+
+
+_COMPILED = _CompiledScope()
+
+
 @contextlib.contextmanager
 def shared_inputs() -> Iterator[None]:
     """Scope of one ``apply`` call: colwise layers reading the same tensor share its
     all-gather / pvary (:func:`shared_input`); nothing is kept after the call."""
+    if torch.compiler.is_compiling():
+        before, _COMPILED.cache = _COMPILED.cache, []
+        try:
+            yield
+        finally:
+            _COMPILED.cache = before
+        return
     token = _SHARED.set([])
     try:
         yield
@@ -226,10 +247,14 @@ def shared_input(x: torch.Tensor, key: tuple, enter: Callable[[torch.Tensor], to
     (one reduce-scatter / psum instead of one per layer). Outside an ``apply`` call (a
     recomputation in backward) every call enters its own.
     """
-    cache = _SHARED.get()
+    compiling = torch.compiler.is_compiling()
+    cache = _COMPILED.cache if compiling else _SHARED.get()
     if cache is None:
         return enter(x)
-    stamp = (x._version, torch.is_grad_enabled(), *key)
+    # a traced tensor under torch.func has no readable version counter: a compiled call
+    # shares by object only (an in-place write to a layer input between two colwise
+    # layers of one compiled call is not seen: docs/compile.md)
+    stamp = (None if compiling else x._version, torch.is_grad_enabled(), *key)
     for seen, seen_stamp, result in cache:
         if seen is x and seen_stamp == stamp:
             return result

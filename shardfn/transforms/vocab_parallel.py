@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from shardfn._torch_internals import unwrap_functorch
+from shardfn._torch_internals import assert_async, unwrap_functorch
 from shardfn.mesh import Mesh
 from shardfn.primitives import all_gather, axis_index, axis_size, psum_invariant
 
@@ -113,9 +113,13 @@ def vocab_parallel_cross_entropy(
                          f"{getattr(weight, 'dtype', type(weight).__name__)} "
                          f"{tuple(getattr(weight, 'shape', ()))}")
     valid = targets != ignore_index
-    plain = unwrap_functorch(targets)  # under vmap: every batch element's ids, checked at once
+    if torch.compiler.is_compiling():  # no host sync in a graph: fails the step when it runs
+        out_of_range = valid & ((targets < 0) | (targets >= vocab))
+        assert_async(~out_of_range.any(), f"vocab_parallel_cross_entropy: a target is "
+                     f"outside [0, {vocab}) and is not ignore_index={ignore_index}")
+    plain = targets if torch.compiler.is_compiling() else unwrap_functorch(targets)
     out_of_range = (plain != ignore_index) & ((plain < 0) | (plain >= vocab))
-    if bool(out_of_range.any()):
+    if not torch.compiler.is_compiling() and bool(out_of_range.any()):
         bad = plain[out_of_range][0].item()
         raise ValueError(f"vocab_parallel_cross_entropy: target {bad} is outside [0, {vocab}) "
                          f"and is not ignore_index={ignore_index}")

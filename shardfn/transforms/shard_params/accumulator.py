@@ -132,6 +132,9 @@ def reduce_once(mean_fn: Callable, k: int, token: object,
         if not isinstance(shards, Mapping):
             raise TypeError(f"accumulate_grads(mode='reduce_once') needs the shards as a "
                             f"mapping name -> tensor, got {type(shards).__name__}")
+        if torch.compiler.is_compiling():  # the accumulator is a ContextVar: eager only
+            raise NotImplementedError("accumulate_grads(mode='reduce_once') runs in eager "
+                                      "steps only; a compiled step takes mode='reduce_each'")
         with Accumulator(token) as accumulator:  # every backward adds: no reduction
             grads, loss = mean_fn(shards, batch, *rest)
         grads = dict(grads)  # zeros for the reduced leaves: their sums are all here

@@ -36,6 +36,7 @@ from shardfn.transforms.shard_params import leaves
 from shardfn.transforms.shard_params.accumulator import AccumulateMode, reduce_once
 from shardfn.transforms.shard_params.call import ApplyCall
 from shardfn.transforms.shard_params.choose import UnitPolicy, resolve_units
+from shardfn.transforms.shard_params.compiled import compiled_apply
 from shardfn.transforms.shard_params.compose import take_model, take_remat
 from shardfn.transforms.shard_params.functions import RootFn
 from shardfn.transforms.shard_params.placement import OffloadPolicy, Placement
@@ -169,8 +170,8 @@ class ShardedModel(FunctionalNames):
         given (float64 shards compute in float64), unless ``precision`` says otherwise.
 
         Buffers are per rank: each rank's forward sees its own batch (BatchNorm
-        statistics of the local batch, like DDP without SyncBatchNorm; see
-        ``sf.sync_batch_norm`` for statistics over the axis).
+        statistics of the local batch, like DDP; ``sf.sync_batch_norm`` for the axis'). Under
+        ``torch.compile`` it runs ``compiled.py``'s traceable path (same values).
 
         Args:
             shards: ``name -> local shard`` as :meth:`init` / :meth:`shard` return.
@@ -195,6 +196,8 @@ class ShardedModel(FunctionalNames):
             >>> logits, buffers = model.apply(shards, tokens, mutable=True)
             >>> shards = {**shards, **buffers}
         """
+        if torch.compiler.is_compiling():  # one traceable path, same numbers: compiled.py
+            return compiled_apply(self, shards, args, kwargs, mutable)
         self.check(shards)
         refuse_differentiated_state(shards, self.functional.buffer_names,
                                     self.functional.frozen_names, "shard_params.apply")
