@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench docs docs-serve notebooks
+.PHONY: demo test lint bench bench-gpu docs docs-serve notebooks
 
 # Reinstalled when pyproject.toml or this file changes (an install older than pyproject's
 # package-dir is setuptools' import hook, which a folder named shardfn can hide).
@@ -24,6 +24,11 @@ test: lint
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/report.py   # every benchmark -> docs/benchmark_report.md + plots
+
+# One GPU for <= 10 minutes: the CUDA-only tests and the eager and compiled benchmarks;
+# installs nothing (the GPU machine reaches no registry). Plan: bash benchmarks/gpu.sh --dry-run
+bench-gpu:
+	bash benchmarks/gpu.sh
 
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict -d site

@@ -67,6 +67,10 @@ BENCHES = (
           "torch's own", "bench_hf.py", ()),
     Bench("data", "The data loader's throughput against the demo's step and torch's "
           "DataLoader", "bench_data.py", ()),
+    Bench("compile", "Whole pure steps under torch.compile against the same steps eager",
+          "bench_compile.py", ()),
+    Bench("moe", "Expert parallelism: a Mixtral under sf.expert_parallel against the same "
+          "model without ep, and the MoE layer against DeepSpeed-MoE", "bench_moe.py", ()),
 )
 
 
@@ -129,6 +133,15 @@ TARGETS = (
     *(Target("data", f"sf.data.loader (num_workers={w}) delivers tokens per rank faster than "
              "the demo's fsdp step consumes them", f"sf.data.loader (TokenFile), num_workers={w}",
              "loader / step", ">=", 1.0) for w in (0, 2)),
+    # issue 27: a whole pure step under torch.compile faster than the eager one (a row
+    # that does not compile has no ratio: its target shows as "not measured")
+    *(Target("compile", f"{what} step under torch.compile faster than the eager one", row,
+             "compiled / eager", "<=", 1.0)
+      for what, row in (("pmean", "pmean ("), ("data_parallel (donated)",
+                                                "data_parallel (donated)"),
+                        ("data_parallel (not donated)", "data_parallel (not donated)"),
+                        ("ZeRO-1", "zero-1 shard_opt_state"),
+                        ("ZeRO-3", "zero-3 shard_params"), ("TP + SP", "tp + sp tensor_split"))),
 )
 
 
@@ -204,6 +217,22 @@ def summary(results: dict) -> tuple[list[SummaryRow], list[Target]]:
                                        table.get("quantity", "")))
     missing = [t for t in TARGETS if t.bench in results["benches"] and t not in seen]
     return rows, missing
+
+
+def why_unmeasured(results: dict, target: Target) -> str:
+    """``": <cell>"`` when a row of ``target`` is there but its cell holds no number
+    (bench_compile's "does not compile: ..."), else ``""``."""
+    bench = results["benches"].get(target.bench, {})
+    for table in bench.get("tables", []):
+        col = _column(table["header"], target.column)
+        for cells in table["rows"]:
+            if col is None or target.row.lower() not in " | ".join(cells).lower():
+                continue
+            # the first cell that explains: the target's own, else one that says it failed
+            for cell in [cells[col], *cells]:
+                if cell.startswith(("does not compile", "failed", "n/a")):
+                    return f": {cell}"
+    return ""
 
 
 def _target_cell(checks: Sequence[Check]) -> str:
@@ -320,8 +349,8 @@ def render(results: dict, out_path: str, img_dir: str, ext: str = "png") -> str:
     lines += _md_table(["benchmark", "row", "ratio", "compared", "target", "met"],
                        [[r.bench, r.label, r.ratio, r.compared, _target_cell(r.checks), r.met]
                         for r in rows]
-                       + [[t.bench, t.text, "—", "—", f"{t.op} {t.value:g}", "not measured"]
-                          for t in missing])
+                       + [[t.bench, t.text, "—", "—", f"{t.op} {t.value:g}",
+                           "not measured" + why_unmeasured(results, t)] for t in missing])
     lines.append("")
     lines += [image(p, c) for p, c in drawn.get("summary", [])] + [""]
     titles = {b.key: b for b in BENCHES}
@@ -413,12 +442,22 @@ def main(argv: list[str] | None = None) -> None:
                         help="where the run saves its results (default benchmarks/results.json)")
     parser.add_argument("--from-results", "--from-json", metavar="FILE", dest="from_results",
                         help="render the report from saved results, running nothing")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --only: replace those benchmarks in the saved results and "
+                             "keep the others (the machine line stays the saved run's)")
     args = parser.parse_args(argv)
     if args.from_results:
         with open(args.from_results) as f:
             results = json.load(f)
     else:
         results = run_all(args.only or [b.key for b in BENCHES], args.quick)
+        if args.merge and os.path.exists(args.results):
+            with open(args.results) as f:
+                saved = json.load(f)
+            if saved.get("quick") != results["quick"]:
+                raise ValueError("--merge: the saved results are of the other size (--quick)")
+            saved["benches"].update(results["benches"])
+            results = saved
         text = json.dumps(results, indent=1, ensure_ascii=False)
         if machine_paths(text):
             raise ValueError(f"results name paths of this machine: {machine_paths(text)[:5]}")
