@@ -210,17 +210,20 @@ def without_input_grad_hooks(skeleton: nn.Module) -> None:
 
 
 #: the outputs a Hugging Face model records with forward hooks on its layers
-_RECORDED = ("output_hidden_states", "output_attentions")
+_RECORDED = ("output_hidden_states", "output_attentions", "output_router_logits")
 
 
 def refuse_recorded_outputs(module: nn.Module, kwargs: Mapping[str, Any], who: str) -> None:
-    """Refuse a call of a Hugging Face model that asks for ``output_hidden_states`` or
-    ``output_attentions`` (in ``kwargs`` or its config) where its layers do not run in place.
+    """Refuse a call of a Hugging Face model that asks for ``output_hidden_states``,
+    ``output_attentions`` or ``output_router_logits`` (in ``kwargs`` or its config) where
+    its layers do not run in place.
 
     transformers 5 records those outputs with forward hooks on the layer classes
-    (``LlamaDecoderLayer``, ``LlamaAttention``); under ``shard_params`` a unit's layer runs
-    inside the unit's gathered call, so the hooks never see it and the output would come
-    back with an empty ``hidden_states`` tuple: a wrong value, refused instead.
+    (``LlamaDecoderLayer``, ``LlamaAttention``, ``MixtralTopKRouter``); under
+    ``shard_params`` a unit's layer runs inside the unit's gathered call, so the hooks
+    never see it and the output would come back with an empty ``hidden_states`` tuple
+    (an MoE model's auxiliary loss would read no router logits): a wrong value, refused
+    instead.
 
     Args:
         module: the skeleton the call runs (a ``PreTrainedModel``, else nothing is checked).
