@@ -8,6 +8,7 @@ Example:
 """
 
 from shardfn import checkpoint, data, distributed, log, memory, models, optim, pytree
+from shardfn._functional_grad import grad_and_value
 from shardfn.functional import FunctionalModel, ShapeDtype, functional
 from shardfn.mesh import Mesh, get_mesh, set_mesh
 from shardfn.model import Model
@@ -155,6 +156,7 @@ __all__ = [
     "gather",
     "hf_tp_plan",
     "get_mesh",
+    "grad_and_value",
     "layout_of",
     "log",
     "local_shape",

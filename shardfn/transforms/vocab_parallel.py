@@ -142,8 +142,11 @@ def vocab_parallel_cross_entropy(
     # 2. local sum of exp and the owned target logit, summed over the axis at once
     local_target = targets - start
     owned = valid & (local_target >= 0) & (local_target < local_vocab)
-    index = torch.where(owned, local_target, 0).long().unsqueeze(-1)
-    picked = torch.gather(shifted, -1, index).squeeze(-1)
+    index = torch.where(owned, local_target, 0).long()
+    # indexing, not torch.gather: its backward saves no input and fills one zero buffer in
+    # place (gather's saves `shifted` and scatter-adds out of place: two logits-sized buffers)
+    rows = torch.arange(index.numel(), device=index.device)
+    picked = shifted.reshape(-1, shifted.shape[-1])[rows, index.reshape(-1)].view(index.shape)
     picked = torch.where(owned, picked, 0.0)
     sums = psum_invariant(torch.stack([shifted.exp().sum(dim=-1), picked], dim=-1), axis,
                           mesh=mesh)
