@@ -1,5 +1,6 @@
 """Composable transforms: each file is one transform you can read top to bottom."""
 
+from shardfn.transforms._fsdp_ep import FsdpEpLayout, FsdpEpModel
 from shardfn.transforms._fsdp_tp import FsdpTpLayout, FsdpTpModel
 from shardfn.transforms.accumulate import accumulate_grads, split_batch
 from shardfn.transforms.data_parallel import DataParallel, data_parallel
@@ -36,6 +37,8 @@ __all__ = [
     "Colwise",
     "DataParallel",
     "ExpertParallelModel",
+    "FsdpEpLayout",
+    "FsdpEpModel",
     "FsdpTpLayout",
     "FsdpTpModel",
     "FusedLayout",

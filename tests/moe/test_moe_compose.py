@@ -1,7 +1,7 @@
 """Expert parallelism composed: with data parallelism on a {"dp": 2, "ep": 2} mesh (every
 rank sees its own tokens; expert gradients reduced over the ranks holding the same experts,
 the others over all four), checkpoints saved at ep=2 and loaded at ep=1 and ep=4, and
-FairScale's rank-local experts inside a parameter-sharded model (not yet: xfail)."""
+FairScale's rank-local experts inside a parameter-sharded model."""
 
 from __future__ import annotations
 
@@ -85,23 +85,29 @@ def test_checkpoint_reshards_experts(worlds, tmp_path, ep_size):
     torch.testing.assert_close(loaded[1], {k: 2 * v + 1 for k, v in full.items()})
 
 
-def _rank_local_experts_in_a_sharded_model():
+def _rank_local_experts_in_a_sharded_model(case: Case):
+    """This rank's ``(gathered grads, local shards, full params)`` with the ep model sharded
+    by shard_params over its own axis "ep"."""
     import torch.distributed as dist
 
     mesh = sf.Mesh({"ep": 2})
-    fm = cases.model(CASE)
+    fm = cases.model(case)
     model = sf.shard_params(expert_parallel(fm, mesh, "ep"), mesh, "ep")
-    leaves = model.shard(cases.params(CASE, fm))
-    x = cases.tokens(CASE, dist.get_rank())
-    return model.gather(torch.func.grad(lambda t: cases.loss(model, t, x))(leaves))
+    leaves = model.shard(cases.params(case, fm))
+    x = cases.tokens(case, dist.get_rank())
+    return model.gather(torch.func.grad(lambda t: cases.loss(model, t, x))(leaves)), leaves
 
 
-@pytest.mark.xfail(strict=True, raises=sf.testing.RankError,
-                   reason="shard_params shards every leaf over one axis: needs per-leaf axes (#28)")
 def test_rank_local_experts_inside_a_sharded_model(worlds):
-    """FairScale's MoE property: experts stay rank-local (split over "ep") while the other
-    parameters are sharded (ZeRO-3) over the same ranks; gradients equal the unsplit model's."""
-    case = CASE._replace(tokens=CASE.tokens[:2])
+    """FairScale's MoE property: experts stay rank-local (rank r stores exactly its block of
+    E/2 experts) while the other parameters are sharded (ZeRO-3) over the same ranks;
+    gradients equal the unsplit model's."""
+    case = CASE._replace(tokens=(7, 7))  # shard_params (check mode): equal batches
     _, (reference, _) = cases.reference(case)
-    for gathered in worlds(2).run(_rank_local_experts_in_a_sharded_model):
+    full = cases.params(case, cases.model(case))
+    for rank, (gathered, leaves) in enumerate(worlds(2).run(
+            _rank_local_experts_in_a_sharded_model, case)):
         torch.testing.assert_close(gathered, reference)
+        for name in ("experts.gate_up_proj", "experts.down_proj"):
+            torch.testing.assert_close(leaves[name], full[name].chunk(2)[rank])
+        torch.testing.assert_close(leaves["gate.weight"], full["gate.weight"].chunk(2)[rank])

@@ -2,7 +2,7 @@
 parallelism: each rank's logits, loss and aux loss equal the one-process HF model's on that
 rank's tokens, the gathered gradients (torch.func.grad and autograd) the one-process
 gradient of the mean of the ranks' losses; with data parallelism on {"dp": 2, "ep": 2};
-and inside shard_params (not yet: xfail)."""
+and under ep x FSDP (shard_params over "dp" of the ep model)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def hf_model(kind: str):
     return model
 
 
-def tokens(rank: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCHES[rank], SEQ),
+def tokens(rank: int, batches: tuple[int, ...] = BATCHES) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batches[rank], SEQ),
                          generator=torch.Generator().manual_seed(100 + rank))
 
 
@@ -62,16 +62,17 @@ def grads_of(model, leaves, ids, mode: str, aux: bool = True):
     return {k: v.grad for k, v in live.items()}
 
 
-def reference(kind: str, ranks: int, aux: bool = True):
+def reference(kind: str, ranks: int, aux: bool = True, batches: tuple[int, ...] = BATCHES):
     """Per rank the one-process model's ``(logits, loss, aux)`` on that rank's tokens, and
     the gradient of the mean of the ranks' losses."""
     hf = hf_model(kind)
     fm = sf.functional(hf)
     full = fm.params_from(hf)
-    outs = [run(fm, full, tokens(r), aux) for r in range(ranks)]
+    outs = [run(fm, full, tokens(r, batches), aux) for r in range(ranks)]
     trainable, rest = fm.split_trainable(full)
     grads = torch.func.grad(lambda t: sum(
-        run(fm, fm.merge(t, rest), tokens(r), aux)[1] for r in range(ranks)) / ranks)(trainable)
+        run(fm, fm.merge(t, rest), tokens(r, batches), aux)[1] for r in range(ranks)) / ranks
+    )(trainable)
     return outs, grads
 
 
@@ -132,28 +133,42 @@ def test_dp_by_ep_without_the_dp_reduction_is_caught(worlds):
     assert not torch.allclose(got[name], ref_grads[name])
 
 
+# shard_params (check mode) wants equal batches over its axis "dp" (ranks 0/2, 1/3); the
+# ep pairs (0/1, 2/3) still differ
+FSDP_BATCHES = (1, 2, 1, 2)
+
+
 def _ep_by_shard_params():
+    """This rank's ``({mode: gathered grads}, local shard shapes)`` under ep x FSDP."""
     import torch.distributed as dist
 
     mesh = sf.Mesh({"dp": 2, "ep": 2})
     hf = hf_model("mixtral")
     model = sf.shard_params(expert_parallel(sf.functional(hf), mesh, "ep"), mesh, "dp")
     leaves = model.params_from(hf)
+    ids = tokens(dist.get_rank(), FSDP_BATCHES)
     # without the aux loss: shard_params loses HF's router_logits (see the test's docstring)
-    return model.gather(grads_of(model, leaves, tokens(dist.get_rank()), "grad", aux=False))
+    grads = {mode: model.gather(grads_of(model, leaves, ids, mode, aux=False))
+             for mode in ("grad", "autograd")}
+    return grads, {k: tuple(v.shape) for k, v in leaves.items()}, model.units
 
 
-@pytest.mark.xfail(strict=True, raises=sf.testing.RankError,
-                   reason="shard_params takes no ExpertParallelModel (only a FunctionalModel "
-                          "or a tensor_split one): needs an ep-local model, as FSDP + TP has (#28)")
 def test_mixtral_ep_by_fsdp(worlds):
     """The issue's acceptance: Mixtral from config on {"dp": 2, "ep": 2}, expert leaves
-    split over ep, the others sharded over dp (ZeRO-3) by shard_params. The loss leaves
-    the aux loss out: under shard_params HF's output_router_logits comes back empty (also
-    without ep), a separate problem."""
-    _, ref_grads = reference("mixtral", 4, aux=False)
-    for gathered in worlds(4).run(_ep_by_shard_params):
-        torch.testing.assert_close(gathered, ref_grads)
+    split over ep, then (like every other leaf) sharded over dp (ZeRO-3) by shard_params,
+    one unit per decoder layer: gathered gradients (torch.func.grad and autograd) are the
+    one-process gradient of the mean of the four ranks' losses; a rank stores E/4 experts.
+    The loss leaves the aux loss out: under shard_params HF's output_router_logits comes
+    back empty (also without ep), a separate problem."""
+    _, ref_grads = reference("mixtral", 4, aux=False, batches=FSDP_BATCHES)
+    full = sf.functional(hf_model("mixtral")).param_shapes()
+    for grads, shapes, units in worlds(4).run(_ep_by_shard_params):
+        torch.testing.assert_close(grads["grad"], ref_grads)
+        torch.testing.assert_close(grads["autograd"], ref_grads)
+        assert units == ("model.layers.0", "model.layers.1")
+        expert = "model.layers.1.mlp.experts.down_proj"
+        assert shapes[expert][0] == EXPERTS // 4 and shapes[expert][1:] == full[expert].shape[1:]
+        assert shapes["lm_head.weight"][0] == VOCAB // 2
 
 
 def test_one_process_split_equals_hf():

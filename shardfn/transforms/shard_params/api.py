@@ -28,6 +28,7 @@ from shardfn.functional import FunctionalModel
 from shardfn.mesh import AxisName, Mesh
 from shardfn.primitives import consistency
 from shardfn.spec import Layout
+from shardfn.transforms._fsdp_ep import ExpertParallelModel, over_expert_parallel
 from shardfn.transforms._fsdp_tp import over_tensor_split
 from shardfn.transforms.accumulate import accumulate_grads
 from shardfn.transforms.precision import Precision, cast_floating
@@ -410,14 +411,15 @@ def shard_params(
                         "module), mesh, ...)")
     model, remat = take_remat(model, remat)  # sf.remat(m, r) is remat=r: see compose.py
     model, precision = take_model(model, precision, axis, ShardedModel)  # see compose.py
-    if isinstance(model, TensorSplitModel):  # FSDP + TP on a 2-D mesh: see _fsdp_tp.py
-        return over_tensor_split(shard_params, model, mesh, axis, resolve_units(
-            model.fmodel, units), dict(reshard_after_forward=reshard_after_forward,
+    if isinstance(model, TensorSplitModel | ExpertParallelModel):  # _fsdp_tp.py, _fsdp_ep.py
+        over = over_tensor_split if isinstance(model, TensorSplitModel) else over_expert_parallel
+        return over(shard_params, model, mesh, axis, resolve_units(
+            model.functional, units), dict(reshard_after_forward=reshard_after_forward,
             prefetch=prefetch, replicate_axis=replicate_axis, grad_reduce=grad_reduce,
             precision=precision, offload=offload, remat=remat))
     if not isinstance(model, FunctionalModel):
-        raise TypeError(f"shard_params expects a FunctionalModel or a TensorSplitModel "
-                        f"(sf.tensor_split: FSDP + TP), got {type(model).__name__}")
+        raise TypeError(f"shard_params expects a FunctionalModel, a TensorSplitModel (FSDP + TP) "
+                        f"or an ExpertParallelModel (FSDP x EP), got {type(model).__name__}")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an sf.Mesh, got {type(mesh).__name__}")
     if grad_reduce not in ("mean", "sum"):
@@ -444,7 +446,5 @@ def shard_params(
         remat=remat, _plan=plan, _guess=PrefetchGuess(len(plan.units)), _variants={})
 
 
-# ``sf.transforms.shard_params`` is this function (``transforms/__init__`` binds the package's
-# name to it), and an existing public contract reaches the policy class through it:
-# ``sf.transforms.shard_params.OffloadPolicy`` (tests/transforms/test_shard_params_offload.py)
+# a public contract (tests/transforms/test_shard_params_offload.py): the function's attribute
 shard_params.OffloadPolicy = OffloadPolicy  # type: ignore[attr-defined]

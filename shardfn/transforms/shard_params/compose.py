@@ -7,8 +7,8 @@
 * ``sf.with_precision(m, p)``: ``shard_params(m, ..., precision=p)``, the policy
   applied per unit (all-gathers in ``param_dtype``, reduce-scatters in
   ``reduce_dtype``); with ``precision=q`` as well, ``q`` must be ``p``;
-* a model that is already sharded (``ShardedModel``, ``FsdpTpModel``): refused, with
-  the one call that means what was asked (shard once, over every axis).
+* a model that is already sharded (``ShardedModel``, ``FsdpTpModel``, ``FsdpEpModel``):
+  refused, with the one call that means what was asked (shard once, over every axis).
 
 And the other way round, ``sf.with_precision(shard_params(fm, ...), p)`` is the
 sharded model rebuilt with ``precision=p`` (:func:`register` tells ``with_precision``
@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shardfn.model import refuse_pipeline
+from shardfn.transforms._fsdp_ep import FsdpEpModel
 from shardfn.transforms._fsdp_tp import FsdpTpModel
 from shardfn.transforms.precision import Precision, split_precision, takes_precision
 from shardfn.transforms.recording import Policy
@@ -116,7 +117,7 @@ def take_model(model: Any, precision: Precision | None, axis: Any,
                              f"policy: shard_params(fm, mesh, axis, precision=policy), or "
                              f"shard_params(sf.with_precision(fm, policy), mesh, axis)")
         model, precision = inner, policy
-    if isinstance(model, sharded_kind | FsdpTpModel):
+    if isinstance(model, sharded_kind | FsdpTpModel | FsdpEpModel):
         kind, over = type(model).__name__, _axes(model.axis)
         again = "again over the same axis" if set(over) & set(_axes(axis)) else "over another axis"
         raise ValueError(
