@@ -242,12 +242,13 @@ def _tree_memory(params, grads, state) -> dict[str, int]:
 
 
 def _pure_step_system(ctx: Context, reduce, opt, *, donate: bool = False,
-                      grads_kept=None) -> System:
+                      grads_kept=None, engine: bool = False) -> System:
     """A torch.func step: grad_and_value, ``reduce`` (grads -> grads), ``opt``, apply_updates.
 
     ``donate``: ``apply_updates(..., donate=True)`` (the optimizer and ``reduce`` are built
     donating by the caller). ``grads_kept(grads) -> bytes`` overrides how the gradient
-    memory is counted.
+    memory is counted. ``engine``: the gradient from ``sf.grad_and_value`` (first order
+    on the autograd engine) instead of ``torch.func.grad_and_value``.
     """
     import shardfn as sf
 
@@ -258,7 +259,7 @@ def _pure_step_system(ctx: Context, reduce, opt, *, donate: bool = False,
     def loss_fn(params, x, y):
         return loss_of(model.apply(params, x), y)
 
-    grad_and_value = torch.func.grad_and_value(loss_fn)
+    grad_and_value = (sf.grad_and_value if engine else torch.func.grad_and_value)(loss_fn)
 
     def step(i: int) -> None:
         x, y = ctx.batch(i)
@@ -325,6 +326,15 @@ def setup_sf_dp(ctx: Context) -> System:
 
     dp = sf.data_parallel(ctx.mesh, "dp", donate=True)
     return _pure_step_system(ctx, dp.reduce_grads, _adamw(ctx, donate=True), donate=True)
+
+
+@SYSTEMS.register("sf-dp-engine", "shardfn data_parallel (sf.grad_and_value, donated)")
+def setup_sf_dp_engine(ctx: Context) -> System:
+    import shardfn as sf
+
+    dp = sf.data_parallel(ctx.mesh, "dp", donate=True)
+    return _pure_step_system(ctx, dp.reduce_grads, _adamw(ctx, donate=True), donate=True,
+                             engine=True)
 
 
 @SYSTEMS.register("sf-dp-pure", "shardfn data_parallel (torch.func, no donation)")

@@ -185,11 +185,13 @@ def mlp_plan() -> dict[str, str]:
     return {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
 
 
-def setup_shardfn(model: Model, sequence_parallel: bool, autograd: bool = False) -> TPSystem:
+def setup_shardfn(model: Model, sequence_parallel: bool, autograd: bool = False,
+                  engine: bool = False) -> TPSystem:
     """``sf.tensor_split`` + torch.func ``grad_and_value`` + donated ``sf.optim.adamw``.
 
     ``autograd``: the parameters are leaf tensors and the gradients come from
-    ``loss.backward()`` (the same ``tp.apply``), the rest unchanged.
+    ``loss.backward()`` (the same ``tp.apply``), the rest unchanged. ``engine``: the
+    gradient from ``sf.grad_and_value`` (first order on the autograd engine).
     """
     import shardfn as sf
     from shardfn.models import gpt_tp_plan
@@ -210,7 +212,7 @@ def setup_shardfn(model: Model, sequence_parallel: bool, autograd: bool = False)
         def loss_fn(params, x, y):  # the logits stay vocab-split
             return sf.vocab_parallel_cross_entropy(tp.apply(params, x), y, "tp", mesh=mesh)
 
-    grad_and_value = torch.func.grad_and_value(loss_fn)
+    grad_and_value = (sf.grad_and_value if engine else torch.func.grad_and_value)(loss_fn)
     if autograd:
         holder["params"] = {n: t.requires_grad_() for n, t in holder["params"].items()}
 
@@ -250,6 +252,11 @@ def setup_shardfn(model: Model, sequence_parallel: bool, autograd: bool = False)
 def setup_shardfn_autograd(model: Model, sequence_parallel: bool) -> TPSystem:
     """:func:`setup_shardfn` with ``loss.backward()`` instead of torch.func."""
     return setup_shardfn(model, sequence_parallel, autograd=True)
+
+
+def setup_shardfn_engine(model: Model, sequence_parallel: bool) -> TPSystem:
+    """:func:`setup_shardfn` with ``sf.grad_and_value`` instead of torch.func's."""
+    return setup_shardfn(model, sequence_parallel, engine=True)
 
 
 # ----------------------------------------------------------------------------- torch
@@ -452,9 +459,10 @@ class Row:
 
 
 #: the reference last: every other row is compared with it
-SETUPS = {"shardfn": setup_shardfn, "shardfn-autograd": setup_shardfn_autograd,
-          "torch": setup_torch}
-SHARDFN_STEPS = {"shardfn": "torch.func step", "shardfn-autograd": "autograd step"}
+SETUPS = {"shardfn": setup_shardfn, "shardfn-engine": setup_shardfn_engine,
+          "shardfn-autograd": setup_shardfn_autograd, "torch": setup_torch}
+SHARDFN_STEPS = {"shardfn": "torch.func step", "shardfn-engine": "sf.grad_and_value step",
+                 "shardfn-autograd": "autograd step"}
 
 
 def measure_group(kind: str, settings: Settings, warmup: int, steps: int,
