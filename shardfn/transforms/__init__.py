@@ -2,6 +2,8 @@
 
 from shardfn.transforms._fsdp_ep import FsdpEpLayout, FsdpEpModel
 from shardfn.transforms._fsdp_tp import FsdpTpLayout, FsdpTpModel
+from shardfn.transforms._pp_ep import expert_stage
+from shardfn.transforms._tp_ep import TpEpModel
 from shardfn.transforms.accumulate import accumulate_grads, split_batch
 from shardfn.transforms.data_parallel import DataParallel, data_parallel
 from shardfn.transforms.experts import ExpertParallelModel, expert_parallel
@@ -58,12 +60,14 @@ __all__ = [
     "SplitRNG",
     "SyncBatchNorm",
     "TensorSplitModel",
+    "TpEpModel",
     "Vocab",
     "accumulate_grads",
     "all_finite",
     "cast_floating",
     "data_parallel",
     "expert_parallel",
+    "expert_stage",
     "dynamic_loss_scale",
     "shard_opt_state",
     "shard_params",

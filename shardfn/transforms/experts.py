@@ -233,9 +233,12 @@ def expert_parallel(fmodel: FunctionalModel, mesh: Mesh, axis: str = "ep") -> Ex
     all-to-alls, four per MoE call and step).
     """
     if not isinstance(fmodel, FunctionalModel):
+        hint = ("; for tensor parallelism on the attention (TP x EP) the order is "
+                "sf.tensor_split(sf.expert_parallel(fm, mesh, 'ep'), mesh, 'tp', plan)"
+                if hasattr(fmodel, "styles") else "")  # a TensorSplitModel (or TP x EP)
         raise TypeError(f"expert_parallel takes a FunctionalModel (sf.functional(module)), got "
                         f"{type(fmodel).__name__}; apply expert_parallel first, then other "
-                        f"transforms over other axes")
+                        f"transforms over other axes{hint}")
     if axis not in mesh.axis_names:
         raise ValueError(f"expert_parallel: axis {axis!r} is not an axis of the mesh "
                          f"{dict(zip(mesh.axis_names, mesh.shape, strict=True))}")

@@ -81,6 +81,7 @@ from shardfn.transforms._tp_styles import (
     leaf_specs,
     wrap,
 )
+from shardfn.transforms.experts import ExpertParallelModel
 from shardfn.transforms.precision import split_precision, with_precision
 
 __all__ = [
@@ -108,7 +109,8 @@ def tensor_split(fmodel: FunctionalModel, mesh: Mesh | None = None, axis: str = 
 
     Args:
         fmodel: a :class:`~shardfn.FunctionalModel` (``sf.functional(module)``), or
-            ``sf.with_precision(fm, p)``: then ``with_precision(tensor_split(fm, ...), p)``.
+            ``sf.with_precision(fm, p)``: then ``with_precision(tensor_split(fm, ...), p)``;
+            or an ``sf.expert_parallel`` model: TP x EP (:mod:`._tp_ep`, a ``TpEpModel``).
         mesh: the mesh (default: the current one); ``axis`` must be one of its axes.
         axis: the tensor-parallel axis.
         plan: ``{fnmatch glob over module paths: style}``; a style is ``"colwise"``,
@@ -164,6 +166,9 @@ def tensor_split(fmodel: FunctionalModel, mesh: Mesh | None = None, axis: str = 
     fmodel, policy = split_precision(fmodel)  # docs/composing.md
     if policy is not None:  # tensor_split(with_precision(fm, p)) == with_precision(split(fm), p)
         return with_precision(tensor_split(fmodel, mesh, axis, plan), policy)
+    if isinstance(fmodel, ExpertParallelModel):  # tp on the attention of an ep model: _tp_ep.py
+        from shardfn.transforms._tp_ep import over_expert_parallel_tp
+        return over_expert_parallel_tp(tensor_split, fmodel, get_mesh(mesh), axis, plan)
     if not isinstance(fmodel, FunctionalModel):
         hint = ""
         if isinstance(fmodel, TensorSplitModel):

@@ -31,6 +31,7 @@ from shardfn.functional import FunctionalModel
 from shardfn.mesh import Mesh
 from shardfn.primitives._comm import resolve
 from shardfn.transforms._fsdp_tp import FsdpTpModel
+from shardfn.transforms._pp_ep import check_expert_stages, reduced_axes
 from shardfn.transforms.pipeline.balance import BalanceBy
 from shardfn.transforms.pipeline.forwards import step_plan
 from shardfn.transforms.pipeline.hf_units import (
@@ -210,6 +211,7 @@ def _build(split: PipelineSplit, given: Sequence[Any], mesh: Mesh, axis: str, ax
     transformed = {s: m for s, m in enumerate(given) if m is not split[s]}
     for index, stage_model in transformed.items():
         _check_stage_model(index, stage_model, mesh, axis)
+    check_expert_stages(transformed, dp_axis)  # pp x ep: dp_axis is the ep axis (_pp_ep)
     if remat is not None and transformed:
         raise ValueError(f"pipeline_stages: remat= applies to plain stages; stages "
                          f"{sorted(transformed)} are models of their own: give them their "
@@ -314,10 +316,11 @@ def _sharded(model: Any) -> ShardedModel | None:
 
 def _reduced_axes(model: Any) -> tuple[str, ...]:
     """The mesh axes a stage model reduces its gradients over (``shard_params``: its axis
-    and ``replicate_axis``); ``dp_axis`` does not average those gradients again."""
+    and ``replicate_axis``; ``expert_parallel``: its ep axis); ``dp_axis`` does not average
+    those gradients again."""
     sharded = _sharded(model)
     if sharded is None:
-        return ()
+        return reduced_axes(model)  # an expert_parallel stage: its ep axis (_pp_ep)
     axes: tuple[str, ...] = ()
     for value in (sharded.axis, sharded.replicate_axis):
         if value is not None:
