@@ -23,6 +23,9 @@ test: lint
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
+	# DeepSpeed-MoE, the expert-parallel peer of bench_moe (runs on CPU gloo with
+	# DS_ACCELERATOR=cpu); built against the installed torch, so no other torch is fetched
+	$(PY) -m pip install -q --no-build-isolation deepspeed==0.19.8
 	$(PY) benchmarks/report.py   # every benchmark -> docs/benchmark_report.md + plots
 
 # One GPU for <= 10 minutes: the CUDA-only tests and the eager and compiled benchmarks;
