@@ -227,15 +227,25 @@ def test_a_timed_out_call_is_taken_back(worlds):
 
 def _gave_up_and_left(rank, ax):
     """Rank 0 times out at #1 and makes no other call; rank 1 comes late: it must not pair
-    with the call rank 0 gave up on."""
-    import time
+    with the call rank 0 gave up on. Rank 1 starts only once rank 0 has given up (a key in
+    the store), so a loaded machine cannot make the two calls meet in time."""
+    import uuid
 
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    key = [uuid.uuid4().hex]
+    dist.broadcast_object_list(key, src=0)  # one key per run: the world persists
+    store = distributed_c10d._get_default_store()
     if rank == 1:
-        time.sleep(1.0)
+        store.wait([f"late/{key[0]}"])
     try:
         consistency.check_call("psum", ax, torch.ones(2))
     except consistency.ConsistencyError as error:
         return str(error)
+    finally:
+        if rank == 0:
+            store.set(f"late/{key[0]}", "gave up")
     return "paired with a call taken back"
 
 
