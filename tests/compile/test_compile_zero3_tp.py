@@ -20,6 +20,8 @@ to eager (``aot_eager``) or within float32 round-off (inductor's C++ kernels).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -129,6 +131,10 @@ def test_compiled_step_is_one_graph_and_bitwise_eager(worlds, kind, ranks):
 
 
 @pytest.mark.inductor
+@pytest.mark.skipif(not os.environ.get("SHARDFN_INDUCTOR"),
+                    reason="inductor's C++ build of the ZeRO-3 step takes about 2 minutes on 2 "
+                           "cold cores (the suite's budget); SHARDFN_INDUCTOR=1 runs it. The "
+                           "pmean step's inductor test always runs")
 def test_inductor_zero3_step_matches_eager(worlds):
     """Inductor's C++ kernels (fused, vectorised) round differently: float32 round-off."""
     for rank, got in enumerate(worlds(2).run(_train, "zero3", "inductor")):
