@@ -41,7 +41,7 @@ from shardfn._torch_internals import TransformType, in_transform
 from shardfn.models.moe_dispatch import LOCAL, Dispatch
 from shardfn.models.moe_router import Routing, load_balancing_loss, route, router_z_loss
 
-__all__ = ["Experts", "MoE", "MoEAux", "dispatch_order"]
+__all__ = ["Experts", "MoE", "MoEAux", "dispatch_order", "run_experts"]
 
 AuxLoss = Literal["switch", "none"]
 
@@ -90,17 +90,39 @@ class Experts(nn.Module):
         Returns:
             ``[sum(counts), dim]`` outputs, same order.
         """
-        if len(counts) != self.gate_up_proj.shape[0]:
-            raise ValueError(f"Experts.run: {len(counts)} counts for "
-                             f"{self.gate_up_proj.shape[0]} experts held here")
-        outputs = []
-        for e, block in enumerate(rows.split(counts)):
-            gate, up = nn.functional.linear(block, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outputs.append(nn.functional.linear(nn.functional.silu(gate) * up,
-                                                self.down_proj[e]))
-        if not outputs:
-            return rows.new_zeros(rows.shape)
-        return torch.cat(outputs)
+        return run_experts(rows, counts, self.gate_up_proj, self.down_proj,
+                           nn.functional.silu, "Experts.run")
+
+
+def run_experts(rows: torch.Tensor, counts: list[int], gate_up_proj: torch.Tensor,
+                down_proj: torch.Tensor, act, who: str) -> torch.Tensor:
+    """The gated MLP of expert ``e`` (``gate_up_proj[e]``, ``down_proj[e]``, activation
+    ``act`` on the gate half) on its ``counts[e]`` consecutive rows; shared by
+    :class:`Experts` and Hugging Face's experts under expert parallelism.
+
+    Args:
+        rows: ``[sum(counts), dim]`` sorted by expert.
+        counts: one count per expert held (``gate_up_proj.shape[0]``).
+        gate_up_proj: ``[E, 2I, H]``; down_proj: ``[E, H, I]``.
+        act: the activation (``silu`` for Mixtral).
+        who: the caller, for the error.
+
+    Returns:
+        ``[sum(counts), dim]`` outputs, same order.
+
+    Example:
+        >>> run_experts(torch.ones(3, 2), [1, 2], torch.ones(2, 4, 2), torch.ones(2, 2, 2),
+        ...             torch.nn.functional.silu, "demo").shape
+        torch.Size([3, 2])
+    """
+    if len(counts) != gate_up_proj.shape[0]:
+        raise ValueError(f"{who}: {len(counts)} counts for {gate_up_proj.shape[0]} experts "
+                         f"held here")
+    outputs = []
+    for e, block in enumerate(rows.split(counts)):
+        gate, up = nn.functional.linear(block, gate_up_proj[e]).chunk(2, dim=-1)
+        outputs.append(nn.functional.linear(act(gate) * up, down_proj[e]))
+    return torch.cat(outputs) if outputs else rows.new_zeros(rows.shape)
 
 
 def dispatch_order(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

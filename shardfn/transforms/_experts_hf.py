@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from shardfn.mesh import Mesh
+from shardfn.models.moe import run_experts
 from shardfn.models.moe_dispatch import LOCAL, AllToAllExperts, Dispatch
 
 __all__ = ["HFExpertsOverAxis", "hf_sort_assignments", "is_hf_experts", "split_hf_experts"]
@@ -126,14 +127,8 @@ class HFExpertsOverAxis(nn.Module):
     def run(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Expert ``e`` of those held here on its ``counts[e]`` consecutive rows (as Hugging
         Face's eager loop computes one expert)."""
-        if len(counts) != self.gate_up_proj.shape[0]:
-            raise ValueError(f"HFExpertsOverAxis.run: {len(counts)} counts for "
-                             f"{self.gate_up_proj.shape[0]} experts held here")
-        outputs = []
-        for e, block in enumerate(rows.split(counts)):
-            gate, up = nn.functional.linear(block, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outputs.append(nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e]))
-        return torch.cat(outputs) if outputs else rows.new_zeros(rows.shape)
+        return run_experts(rows, counts, self.gate_up_proj, self.down_proj, self.act_fn,
+                           "HFExpertsOverAxis.run")
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
