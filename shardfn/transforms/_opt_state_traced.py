@@ -45,6 +45,16 @@ def _bucket_dtype(part: FlatPartition, b: int, dtypes: list[torch.dtype],
     return kinds.pop() if kinds else None
 
 
+def _padded(values: list[torch.Tensor], block: int, like: torch.Tensor,
+            dtype: torch.dtype) -> list[torch.Tensor]:
+    """``values`` and, where they hold fewer than ``block`` elements, zeros up to it (a
+    bucket's block moves at its full size, as the eager piece exchange sends it)."""
+    filled = sum(v.numel() for v in values)
+    if filled < block:
+        values.append(like.new_zeros(block - filled, dtype=dtype))
+    return values
+
+
 def reduce_scatter_traced(part: FlatPartition, flats: list[torch.Tensor], frozen: frozenset[int],
                           param_leaves: list[torch.Tensor], ax, divide: Any
                           ) -> list[torch.Tensor]:
@@ -69,11 +79,8 @@ def reduce_scatter_traced(part: FlatPartition, flats: list[torch.Tensor], frozen
             continue
         blocks = []
         for pieces in plan.blocks:
-            values = [flats[leaf][lo:hi] for leaf, lo, hi in pieces if leaf not in frozen]
-            filled = sum(v.numel() for v in values)
-            blocks.extend(values)
-            if filled < plan.block:
-                blocks.append(flats[0].new_zeros(plan.block - filled, dtype=dtype))
+            blocks += _padded([flats[leaf][lo:hi] for leaf, lo, hi in pieces
+                               if leaf not in frozen], plan.block, flats[0], dtype)
         mine = _comm.psum_scatter(torch.cat(blocks), ax, 0)
         divisors = (piece_divisors(plan, ax.index, divide) if isinstance(divide, list)
                     else [divide] * len(plan.blocks[ax.index]))
@@ -115,12 +122,9 @@ def all_gather_traced(part: FlatPartition, local_leaves: list[torch.Tensor],
         dtype = _bucket_dtype(part, b, dtypes, frozen)
         if dtype is None:
             continue
-        own = [local_leaves[leaf][at:at + hi - lo] for (leaf, lo, hi), at
-               in zip(plan.blocks[ax.index], part.local_slots[b], strict=True)
-               if leaf not in frozen]
-        filled = sum(v.numel() for v in own)
-        if filled < plan.block:
-            own.append(param_leaves[0].new_zeros(plan.block - filled, dtype=dtype))
+        own = _padded([local_leaves[leaf][at:at + hi - lo] for (leaf, lo, hi), at
+                       in zip(plan.blocks[ax.index], part.local_slots[b], strict=True)
+                       if leaf not in frozen], plan.block, param_leaves[0], dtype)
         gathered = _comm.all_gather(torch.cat(own).to(dtype), ax, 0)
         for j, pieces in enumerate(plan.blocks):
             at = j * plan.block
