@@ -25,7 +25,6 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch import nn
 
-from shardfn._functional_swap import _flagged as flagged_layers
 from shardfn.functional import FunctionalModel
 from shardfn.mesh import AxisName, Mesh
 from shardfn.primitives import _comm
@@ -352,10 +351,6 @@ def make_plan(model: FunctionalModel, mesh: Mesh, axis: AxisName, *, units: Unit
             raise ValueError(f"replicate_axis {replicate_axis!r} overlaps axis {axis!r}")
         all_names = ax.names + replicate_ax.names
     paths = resolve_units(model, units)
-    # worked out now, eagerly: a compiled apply (compiled.py) must find these caches filled
-    # (the slots' cached_property takes a lock; filling the flagged-layers cache in a trace
-    # makes dynamo guard on its size, and the next step recompiles)
-    _ = model._slots, flagged_layers(model.module)
     token = object()
     unit_plans, root = build_units(model, paths, ax.size, token, place)
     shapes = model.param_shapes()
