@@ -181,3 +181,26 @@ def test_split_region_dropout_is_refused_when_compiled():
     with pytest.raises(Exception, match=r"blocks\.0\.attn\.core.*dropout=0\.1.*eager steps"):
         _grad_compiled(model, params, tokens)
     _grad_compiled(model.eval(), params, tokens)  # eval: no draws, compiles
+
+
+def test_compiled_before_any_eager_call_is_one_graph_and_stays_one():
+    """No eager step first: the functional model plans its slots inside the trace (no
+    lock), and another functional model made afterwards does not recompile the step."""
+    import torch._dynamo.testing
+
+    import shardfn as sf
+
+    torch.manual_seed(0)
+    fm = sf.functional(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
+    model = sf.shard_params(fm, sf.Mesh({"dp": 1}), "dp")
+    shards, x = model.shard(fm.init(0)), torch.randn(3, 4)
+    counter = torch._dynamo.testing.CompileCounter()
+    step = torch.compile(lambda p: torch.func.grad(lambda p: model.apply(p, x).sum())(p),
+                         backend=counter, fullgraph=True)
+    got = step(shards)
+    other = sf.functional(nn.Linear(2, 2))
+    other.apply(other.init(0), torch.randn(1, 2))
+    step(shards)
+    want = torch.func.grad(lambda p: model.apply(p, x).sum())(shards)
+    assert counter.frame_count == 1
+    assert all(torch.equal(got[name], want[name]) for name in want)
