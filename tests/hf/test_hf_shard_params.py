@@ -245,6 +245,10 @@ def test_remat_precision_and_hf_gradient_checkpointing_on_llama():
         checkpointed.gradient_checkpointing_enable()
     models = {"remat=nothing_saveable": sf.shard_params(fm, mesh, "dp",
                                                         remat=policies.nothing_saveable),
+              # a policy that saves: the root's recompute replays the ops it recorded, so
+              # the rotary buffer's copy must be made outside the replay (as in the forward)
+              "remat=everything_saveable": sf.shard_params(
+                  fm, mesh, "dp", remat=policies.everything_saveable),
               "sf.remat(dots_saveable)": sf.shard_params(sf.remat(fm, policies.dots_saveable),
                                                          mesh, "dp"),
               "gradient_checkpointing_enable": sf.shard_params(sf.functional(checkpointed),

@@ -82,10 +82,12 @@ def backward_root(call: ApplyCall, unit_fn: type, arg_tensors, grads, outputs_fl
         run.replay_at = 0
         if record.replay is not None:
             run.mode = UnitReplayer(record.replay)
-        try:  # from the buffers as the forward found them (its updates count once)
+        try:  # from the buffers as the forward found them (its updates count once); built
+            # before the replay, as the forward built them before recording (buffer clones)
+            params = params_for(call, root, run.values, {})
             with (running(call), replay_rng(record.rng), call.config.replay_autocast(),
                   run.mode or contextlib.nullcontext()):
-                out = call_module(root, params_for(call, root, run.values, {}), args, kwargs)
+                out = call_module(root, params, args, kwargs)
         finally:
             run.mode = None
         return float_outputs(out, outputs_float)
@@ -194,9 +196,10 @@ def _recompute(call: ApplyCall, unit: Unit, record: CallRecord, full: Params,
         args, kwargs = arg_spec.build([float_args.get(i, t) for i, t in enumerate(arg_tensors)])
         replayer = UnitReplayer(replay) if replay is not None else None
         buffers = {n: t.clone() for n, t in (found or {}).items()}
+        params = params_for(call, unit, full, buffers, train)  # outside the replay, as recorded
         with (replay_rng(rng_before), call.config.replay_autocast(),
               replayer or contextlib.nullcontext()):
-            out = call_module(unit, params_for(call, unit, full, buffers, train), args, kwargs)
+            out = call_module(unit, params, args, kwargs)
         return float_outputs(out, outputs_float)
 
     _, vjp_fn = torch.func.vjp(recompute, train, float_args)
