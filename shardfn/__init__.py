@@ -7,7 +7,7 @@ Example:
     P('dp', None)
 """
 
-from shardfn import checkpoint, data, distributed, log, memory, models, optim, pytree
+from shardfn import data, distributed, log, memory, models, optim, pytree
 from shardfn._functional_grad import grad_and_value
 from shardfn.functional import FunctionalModel, ShapeDtype, functional
 from shardfn.mesh import Mesh, get_mesh, set_mesh
@@ -199,9 +199,10 @@ __all__ = [
 
 
 def __getattr__(name):
-    # shardfn.testing spawns processes and pulls in cloudpickle: import it on first use.
-    if name == "testing":
+    # shardfn.testing spawns processes and pulls in cloudpickle; shardfn.checkpoint pulls in
+    # torch.distributed.checkpoint and DTensor (seconds per process): import them on first use.
+    if name in ("testing", "checkpoint"):
         import importlib
 
-        return importlib.import_module("shardfn.testing")
+        return importlib.import_module(f"shardfn.{name}")
     raise AttributeError(f"module 'shardfn' has no attribute {name!r}")

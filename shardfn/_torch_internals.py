@@ -39,6 +39,7 @@ __all__ = [
     "DisableFuncTorch",
     "TransformType",
     "c10d_functional",
+    "constant_result",
     "default_store",
     "get_interpreter_stack",
     "get_unwrapped",
@@ -200,3 +201,20 @@ BatchNormBase = _private("torch.nn.modules.batchnorm", "_BatchNorm")
 #: ``assert_async(cond, message)``: fail a one-element bool tensor ``cond`` on its device
 #: without a host sync (a CUDA device-side assert; on the CPU it raises at once).
 assert_async = _private("torch", "_assert_async")
+
+# ---- torch.compile -----------------------------------------------------------------------
+#: what ``torch.compiler.assume_constant_result`` sets on a function (dynamo then calls it at
+#: trace time and keeps its result as a constant); torch's decorator imports ``torch._dynamo``
+#: (about a second) to set it, which every process importing shardfn would pay.
+_CONSTANT_MARK = "_dynamo_marked_constant"
+
+
+def constant_result(fn: Any) -> Any:
+    """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo``.
+
+    Example:
+        >>> @constant_result
+        ... def warn_once() -> bool: ...
+    """
+    setattr(fn, _CONSTANT_MARK, True)
+    return fn

@@ -318,6 +318,22 @@ def test_assert_async_passes_a_true_condition_and_raises_on_a_false_one_on_the_c
         ti.assert_async(torch.tensor(False), "out of range")
 
 
+def test_constant_result_marks_a_function_as_torch_compiler_does():
+    """``ti.constant_result`` sets what ``torch.compiler.assume_constant_result`` sets (without
+    importing dynamo; tests/compile's warn-once tests run it under ``fullgraph=True``)."""
+
+    def ours():
+        return 3
+
+    def theirs():
+        return 3
+
+    assert ti.constant_result(ours) is ours
+    torch.compiler.assume_constant_result(theirs)
+    marks = {k for k in vars(theirs)}
+    assert marks and marks == {k for k in vars(ours)}
+
+
 def test_every_internal_has_a_test_here():
     """A name added to ``_torch_internals.__all__`` gets a behaviour test in this file."""
     import inspect

@@ -21,6 +21,8 @@ from typing import Literal
 
 import torch
 
+from shardfn._torch_internals import constant_result
+
 __all__ = ["Feature", "MESSAGES", "skipped", "tracing"]
 
 Feature = Literal["check_mode", "comm_stats"]
@@ -49,12 +51,12 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _warn_check_mode() -> bool:
     return _warn_once("check_mode")
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _warn_comm_stats() -> bool:
     return _warn_once("comm_stats")
 
