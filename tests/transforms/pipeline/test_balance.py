@@ -119,14 +119,14 @@ def test_balance_by_time_with_injected_costs():
 
 
 class _Slow(nn.Module):
-    """A unit whose forward takes 30 ms whatever the machine's load."""
+    """A unit whose forward takes 100 ms whatever the machine's load."""
 
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(8, 8)
 
     def forward(self, x):
-        time.sleep(0.03)
+        time.sleep(0.1)  # far above a loaded machine's stalls of a small Linear
         return self.lin(x)
 
 
@@ -135,7 +135,7 @@ def test_balance_by_measured_time_puts_the_slow_unit_alone():
     before = [p.detach().clone() for u in units for p in u.parameters()]
     times = measure_unit_times(units, torch.randn(4, 8), repeats=2)
     assert len(times) == 4 and min(times) > 0
-    assert times[2] >= 0.03 and times[2] > 5 * max(times[0], times[1], times[3])
+    assert times[2] >= 0.1 and times[2] > 2 * max(times[0], times[1], times[3])
     assert balance_units(units, 3, "time", sample=torch.randn(4, 8), repeats=1) == (2, 1, 1)
     # the model is left as it was: no .grad written, parameters unchanged
     assert all(p.grad is None for u in units for p in u.parameters())
