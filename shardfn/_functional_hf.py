@@ -31,13 +31,15 @@ Example:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import nn
 
-__all__ = ["inside_pretrained", "no_split_classes", "pretrained_model_class",
+__all__ = ["RECORD_KEYWORD", "RecordInside", "call_recording", "hf_collector",
+           "inside_pretrained", "no_split_classes", "pretrained_model_class",
            "refuse_recorded_outputs", "run_init_weights", "user_config",
            "without_input_grad_hooks", "without_kv_cache"]
 
@@ -211,19 +213,167 @@ def without_input_grad_hooks(skeleton: nn.Module) -> None:
 
 #: the outputs a Hugging Face model records with forward hooks on its layers
 _RECORDED = ("output_hidden_states", "output_attentions", "output_router_logits")
+#: the keyword a unit call passes its unit to record inside it (taken off by the unit's hook)
+RECORD_KEYWORD = "_shardfn_record_inside"
+
+
+def hf_collector() -> dict | None:
+    """What Hugging Face's recording hooks append to now: the dict of lists that
+    ``capture_outputs`` (``transformers.utils.output_capturing``) sets for a forward that
+    asks for ``output_hidden_states`` and the like; None when nothing is recorded (or
+    ``transformers`` is not imported).
+
+    Example:
+        >>> hf_collector() is None    # outside a recording forward
+        True
+    """
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    var = getattr(capturing, "_active_collector", None)
+    collector = var.get() if var is not None else None
+    return collector if collector else None
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordInside:
+    """What a region of the forward (a ``shard_params`` unit call, a layer's checkpoint)
+    records for Hugging Face's collector, so that the region can return it as outputs of
+    its own: each list's name and its length when the region was entered, and the hidden
+    states selected by index (``output_hidden_states=[0, -1]``). A constant: a recompute
+    of the region in backward records the same.
+
+    Example:
+        >>> record = RecordInside.of(hf_collector())
+        >>> out, recorded = record.run(lambda: layer(x))   # inside the region
+        >>> record.extend(hf_collector(), recorded)         # outside, on its outputs
+    """
+
+    lengths: tuple[tuple[str, int], ...]
+    selected: frozenset[int] | None
+
+    @staticmethod
+    def of(collector: Mapping[str, Any]) -> RecordInside:
+        """The record of ``collector`` as it is now."""
+        lengths = tuple((k, len(v)) for k, v in collector.items() if isinstance(v, list))
+        selected = collector.get("_hidden_states_layers")
+        return RecordInside(lengths, None if selected is None else frozenset(selected))
+
+    def fresh(self) -> dict[str, Any]:
+        """A collector the region's layers append to as they would to the caller's: each
+        list as long (placeholders), so ``hidden_states`` counts its layers the same."""
+        out: dict[str, Any] = {k: [None] * n for k, n in self.lengths}
+        if self.selected is not None:
+            out["_hidden_states_layers"] = set(self.selected)
+        return out
+
+    def run(self, fn: Callable[[], Any]) -> tuple[Any, tuple[tuple[Any, ...], ...]]:
+        """``fn()`` with a :meth:`fresh` collector: ``(its output, what was recorded)``."""
+        collector = self.fresh()
+        token = _collector_var().set(collector)
+        try:
+            out = fn()
+        finally:
+            _collector_var().reset(token)
+        return out, self.entries(collector)
+
+    def entries(self, collector: Mapping[str, list]) -> tuple[tuple[Any, ...], ...]:
+        """What was appended to ``collector`` (a :meth:`fresh` one), list by list."""
+        return tuple(tuple(collector[k][n:]) for k, n in self.lengths)
+
+    def extend(self, collector: Mapping[str, list], recorded: tuple[tuple[Any, ...], ...]
+               ) -> None:
+        """Append ``recorded`` (:meth:`run`'s, as the region returned it) to ``collector``."""
+        for (key, _), values in zip(self.lengths, recorded, strict=True):
+            collector[key].extend(values)
+
+
+def _collector_var() -> Any:
+    """``transformers.utils.output_capturing._active_collector``."""
+    return sys.modules["transformers.utils.output_capturing"]._active_collector
+
+
+def call_recording(inner: nn.Module, call: Callable[[tuple, dict], Any], args: tuple,
+                   kwargs: dict) -> Any:
+    """Run a unit call ``call(args, kwargs)`` of the unit module ``inner`` so that what
+    Hugging Face's hooks record inside it reaches the caller's collector as outputs of
+    the call: the unit's graph (its backward, its recompute) then carries them.
+
+    Outside a recording forward this is ``call(args, kwargs)``. Inside one, the unit is
+    called with :data:`RECORD_KEYWORD` (a :class:`RecordInside`); the hooks
+    :func:`_record_inside` puts on ``inner`` take it off, run ``inner`` with a fresh
+    collector and return ``(output, recorded)``; the recorded tensors, as the unit call
+    returned them (in the caller's graph), go to the caller's collector. Hugging Face
+    installs its hooks on the layers inside ``inner`` (``shard_params``' ``UnitCall``
+    lists ``inner`` among its children for that).
+
+    Args:
+        inner: the unit's module (the one ``call`` runs).
+        call: runs the unit on ``(args, kwargs)`` and returns its output.
+        args, kwargs: the call's arguments.
+
+    Returns:
+        The unit's output.
+
+    Example:
+        >>> out = call_recording(layer, lambda a, k: layer(*a, **k), (x,), {})
+    """
+    collector = hf_collector()
+    if collector is None:
+        return call(args, kwargs)
+    record = RecordInside.of(collector)
+    _record_inside(inner)
+    out, recorded = call(args, {**kwargs, RECORD_KEYWORD: record})
+    if RecordInside.of(collector) != record:  # a hook ran after ours, outside the unit
+        raise RuntimeError(
+            f"shard_params: a Hugging Face recording hook on {type(inner).__name__} ran after "
+            "shardfn's, outside the unit call, so what it recorded would have no gradient "
+            "(hooks installed on the unit after its first recording call?)")
+    record.extend(collector, recorded)
+    return out
+
+
+def _record_inside(inner: nn.Module) -> None:
+    """Put the recording hooks on ``inner`` (once): a pre-hook first of all that takes
+    :data:`RECORD_KEYWORD` off the call and sets a fresh collector, and a forward hook that
+    sets the caller's back and returns ``(output, recorded)``: after Hugging Face's own on
+    ``inner``, which it installed before the forward that first calls this."""
+    state = vars(inner)
+    if "_shardfn_record_hooks" in state:
+        return
+    stack: list[tuple[RecordInside, dict, Any] | None] = []
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        record = kwargs.get(RECORD_KEYWORD)
+        if record is None:
+            stack.append(None)
+            return None
+        collector = record.fresh()
+        stack.append((record, collector, _collector_var().set(collector)))
+        return args, {k: v for k, v in kwargs.items() if k != RECORD_KEYWORD}
+
+    def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        entry = stack.pop() if stack else None
+        if entry is None:
+            return None
+        record, collector, token = entry
+        _collector_var().reset(token)
+        return output, record.entries(collector)
+
+    inner.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
+    inner.register_forward_hook(after, with_kwargs=True, always_call=True)
+    state["_shardfn_record_hooks"] = True
 
 
 def refuse_recorded_outputs(module: nn.Module, kwargs: Mapping[str, Any], who: str) -> None:
     """Refuse a call of a Hugging Face model that asks for ``output_hidden_states``,
     ``output_attentions`` or ``output_router_logits`` (in ``kwargs`` or its config) where
-    its layers do not run in place.
+    ``who`` cannot record them right.
 
-    transformers 5 records those outputs with forward hooks on the layer classes
-    (``LlamaDecoderLayer``, ``LlamaAttention``, ``MixtralTopKRouter``); under
-    ``shard_params`` a unit's layer runs inside the unit's gathered call, so the hooks
-    never see it and the output would come back with an empty ``hidden_states`` tuple
-    (an MoE model's auxiliary loss would read no router logits): a wrong value, refused
-    instead.
+    transformers 5 records them with forward hooks on layers (``LlamaDecoderLayer``,
+    ``LlamaAttention``, ``MixtralTopKRouter``) that append to a collector
+    (``transformers.utils.output_capturing._active_collector``); ``shard_params`` carries
+    them out of its units with :func:`call_recording` (and a layer that checkpoints itself,
+    ``gradient_checkpointing_enable()``, out of its checkpoint the same way). Refused: a
+    ``transformers`` without that collector.
 
     Args:
         module: the skeleton the call runs (a ``PreTrainedModel``, else nothing is checked).
@@ -231,12 +381,12 @@ def refuse_recorded_outputs(module: nn.Module, kwargs: Mapping[str, Any], who: s
         who: the transform, for the message.
 
     Raises:
-        ValueError: naming the flags and what computes them.
+        ValueError: naming the flags, the reason and what to do instead.
 
     Example:
-        >>> refuse_recorded_outputs(fm.module, {"output_hidden_states": True}, "shard_params")
+        >>> refuse_recorded_outputs(fm.module, {"output_attentions": True}, "shard_params")
         Traceback (most recent call last):
-        ValueError: shard_params: output_hidden_states=True ...
+        ValueError: shard_params: output_attentions=True ... come back empty ...
     """
     pretrained = pretrained_model_class()
     config = getattr(module, "config", None)
@@ -244,12 +394,15 @@ def refuse_recorded_outputs(module: nn.Module, kwargs: Mapping[str, Any], who: s
         return
     asked = [f"{k}={kwargs.get(k, getattr(config, k, False))!r}" for k in _RECORDED
              if kwargs.get(k, getattr(config, k, False))]
-    if asked:
+    if not asked:
+        return
+    flags = f"{who}: {', '.join(asked)} (a keyword or {type(config).__name__})"
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    if getattr(capturing, "_active_collector", None) is None:
         raise ValueError(
-            f"{who}: {', '.join(asked)} (a keyword or {type(config).__name__}): Hugging Face "
-            f"records these with forward hooks on {type(module).__name__}'s layers, which "
-            f"run inside {who}'s units here, so they would come back empty. Compute them with "
-            "sf.functional, sf.remat or sf.tensor_split of the model, or pass False")
+            f"{flags}: this transformers records them in a way {who} cannot carry out of its "
+            "units, so they would come back empty. Compute them with sf.functional, sf.remat "
+            "or sf.tensor_split of the model, or pass False")
 
 
 def user_config(module: nn.Module):

@@ -35,6 +35,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from shardfn._functional_hf import RecordInside, hf_collector
+
 __all__ = ["Slot", "call_module", "call_swapped", "checkpoint_layers_with", "module_slots",
            "plan_slots"]
 
@@ -205,12 +207,23 @@ class _RematCheckpoint:
                 "remat=sf.checkpoint_policies.nothing_saveable) or sf.remat instead")
         keywords.update((k, v) for k, v in kwargs.items() if k not in _CHECKPOINT_OPTIONS)
         values = _own_leaves(layer)
+        # what HF records inside the layer (router logits, attentions) leaves the checkpoint
+        # as its outputs: captured inside, it would lose its gradient
+        collector = hf_collector()
+        record = None if collector is None else RecordInside.of(collector)
 
         def layer_forward(values: Params, args: tuple, keywords: dict) -> Any:
             with _swapped_in(_slots_for(layer, tuple(values)), dict(values)):
-                return call(*args, **keywords)
+                if record is None:
+                    return call(*args, **keywords)
+                return record.run(lambda: call(*args, **keywords))
 
-        return _REMAT[0](layer_forward)(values, args, keywords)
+        out = _REMAT[0](layer_forward)(values, args, keywords)
+        if record is None:
+            return out
+        out, recorded = out
+        record.extend(collector, recorded)
+        return out
 
 
 def _bound_layer(function: Callable) -> tuple[nn.Module | None, Callable, dict]:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
 
+from shardfn._functional_hf import call_recording
 from shardfn.functional import FunctionalModel
 from shardfn.mesh import AxisName, Mesh
 from shardfn.primitives import _comm
@@ -121,7 +122,13 @@ class Unit:
 
 class UnitCall(nn.Module):
     """Stands in for a unit inside the root skeleton and hands the call to the running
-    ``apply`` (:data:`RUNNING`)."""
+    ``apply`` (:data:`RUNNING`).
+
+    The unit's module is not registered (its leaves are the unit's, not the root's), but
+    it is the UnitCall's child for ``children()`` (``named_children`` yields it under the
+    name ``""``): Hugging Face installs its output-recording hooks on the layers inside
+    it, and ``call_recording`` carries what they record out of the unit's call.
+    """
 
     def __init__(self, index: int, inner: nn.Module, token: object):
         super().__init__()
@@ -133,7 +140,13 @@ class UnitCall(nn.Module):
         running = RUNNING.get()
         if running is None or running.token is not self.__dict__["_shardfn_token"]:
             raise RuntimeError("a shard_params unit was called outside its model's apply()")
-        return running.call_unit(self._shardfn_index, args, kwargs)
+        index = self._shardfn_index
+        return call_recording(self.__dict__["_shardfn_inner"],
+                              lambda a, k: running.call_unit(index, a, k), args, kwargs)
+
+    def named_children(self) -> Iterator[tuple[str, nn.Module]]:
+        yield from super().named_children()
+        yield "", self.__dict__["_shardfn_inner"]
 
     def __getattr__(self, name: str) -> Any:  # attributes the root reads (never parameters)
         try:
