@@ -13,21 +13,25 @@ tokens over ``"ep"``. Two layouts, chosen by where ``"ep"`` is:
   A rank stores ``1/(ep dp)`` of the experts and ``1/dp`` of the rest.
 * ``"ep"`` is a sharding axis (``shard_params(ep_model, mesh, "ep")``, FairScale's MoE
   test: the rest of the model ZeRO-3 over the ranks that split the experts; also a tuple
-  holding ``"ep"`` or ``replicate_axis="ep"``). ``shard_params`` shards the *unsplit*
-  leaves, so rank ``r``'s shard of an expert leaf is its own block of experts (with
-  ``axis="ep"``); each MoE layer runs on the rows of the gathered leaf that rank owns
-  (:class:`OwnRows`). Storage is rank-local, but the unit's all-gather brings every rank's
-  experts for the call (FairScale never moves them): see docs/moe.md.
+  holding ``"ep"`` or ``replicate_axis="ep"``). The same :class:`EpLocalModel` is sharded
+  with its expert leaves *ignored* (``shard_params(..., ignored_params=experts)``, FSDP's
+  ``ignored_params``; FairScale's experts in an FSDP of their own process group,
+  DeepSpeed's expert-data-parallel group): each rank holds and computes its ``E / ep``
+  experts whole, no unit gathers them, and every other leaf is ZeRO-3 over the sharding
+  axes. No expert byte crosses ``"ep"`` but the tokens' all-to-alls.
 
 Gradients are those of ``sf.expert_parallel``: of the mean over ``"ep"`` (and, with
 ``grad_reduce="mean"``, over the sharding axes) of every rank's loss; ``grad_reduce="sum"``
-sums over both. In the first layout ``shard_params`` reduces over ``axis``, and this module
-adds the ep part in the graph, on the shards ``apply`` is given: a non-expert shard enters
-through ``pvary`` over ``"ep"`` (backward psum of the shard's gradient: ``1/dp`` of the
-bytes of a psum of the leaf) and, for the mean, every trainable shard counts ``1/ep`` (an
-expert's gradient already sums every ep rank's tokens: the all-to-all's backward). In the
-second ``shard_params``' reduction over ``"ep"`` is the whole of it: each rank's gradient of
-an expert block is zero outside its rows, so the reduce-scatter's sum is that rank's.
+sums over both. ``shard_params`` reduces the leaves it shards over its axes, and this
+module adds the rest in the graph, on the shards ``apply`` is given. In the first layout a
+non-expert shard enters through ``pvary`` over ``"ep"`` (backward psum of the shard's
+gradient: ``1/dp`` of the bytes of a psum of the leaf) and, for the mean, every trainable
+shard counts ``1/ep`` (an expert's gradient already sums every ep rank's tokens: the
+all-to-all's backward). In the second ``shard_params``' reduction spans ``"ep"`` for the
+non-expert leaves, and an (ignored) expert leaf enters through ``pvary`` over the replica
+axes, the sharding and replicate axes but ``"ep"`` (backward psum over the ranks holding
+the same experts: DeepSpeed's expert-data-parallel group) and, for the mean, counts
+``1 / (sharding and replicate ranks)``.
 
 Example:
     >>> ep = sf.expert_parallel(sf.functional(net), mesh, "ep")       # {"dp": 2, "ep": 2}
@@ -39,9 +43,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
-import types
-from collections.abc import Callable, Mapping, Sequence
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,13 +53,12 @@ from torch import nn
 from shardfn._functional_layout import FunctionalNames
 from shardfn.functional import FunctionalModel
 from shardfn.mesh import Mesh
-from shardfn.models.moe_dispatch import AllToAllExperts
 from shardfn.primitives.collectives import pvary
 from shardfn.spec import Layout, LeafLayout
-from shardfn.transforms._fsdp_tp import FsdpTpLayout, copy_sharing_meshes
+from shardfn.transforms._fsdp_tp import FsdpTpLayout
 from shardfn.transforms.experts import ExpertParallelModel, counted_once
 
-__all__ = ["EpLocalModel", "ExpertParallelModel", "FsdpEpLayout", "FsdpEpModel", "OwnRows",
+__all__ = ["EpLocalModel", "ExpertParallelModel", "FsdpEpLayout", "FsdpEpModel",
            "ep_local_model", "over_expert_parallel"]
 
 Params = dict[str, torch.Tensor]
@@ -74,7 +76,8 @@ class FsdpEpLayout(FsdpTpLayout):
     named ``ep`` here) is the leaf's layout in ``ExpertParallelModel.specs`` (``P("ep")``
     on dim 0 for experts, ``P()`` else), so ``sf.gather``/``sf.shard``, checkpoints and
     ``clip_by_global_norm`` read it as they read FSDP x TP's; ``dp`` is the ``shard_params``
-    layout of this rank's ep leaf (``P(dp)`` on dim 0, zero-padded).
+    layout of this rank's ep leaf (``P(dp)`` on dim 0, zero-padded; ``P()`` for the expert
+    leaves held whole when ``"ep"`` is a sharding axis).
 
     Example:
         >>> model.specs["experts.down_proj"].sharded_axes
@@ -137,53 +140,14 @@ def ep_local_model(ep: ExpertParallelModel) -> EpLocalModel:
     return EpLocalModel(**fields, ep=ep)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class OwnRows:
-    """A dispatch that hands ``inner`` this rank's block of a *full* expert leaf.
-
-    Under ``shard_params`` over the ep axis the unit gathers the unsplit ``[E, ...]``
-    leaves; the experts rank ``r`` computes are rows ``r E/ep .. (r+1) E/ep`` of them.
-    """
-
-    inner: AllToAllExperts
-
-    def __deepcopy__(self, memo: dict) -> OwnRows:
-        return self  # holds the mesh: shared, never copied
-
-    def __call__(self, experts: Any, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        mesh, axis = self.inner.mesh, self.inner.axis
-        size, rank = mesh.size(axis), mesh.index(axis)
-        total = experts.gate_up_proj.shape[0]
-        if total % size or total != len(counts):
-            raise ValueError(f"shard_params over expert_parallel: a gathered expert leaf has "
-                             f"{total} experts, the router chose among {len(counts)}; "
-                             f"expected both E, divisible by ep={size} (axis {axis!r})")
-        block = slice(rank * (total // size), (rank + 1) * (total // size))
-        view = types.SimpleNamespace(gate_up_proj=experts.gate_up_proj[block],
-                                     down_proj=experts.down_proj[block],
-                                     act_fn=getattr(experts, "act_fn", None))
-        view.run = functools.partial(type(experts).run, view)
-        return self.inner(view, rows, counts)
-
-
-def _own_rows_model(ep: ExpertParallelModel) -> FunctionalModel:
-    """``ep.inner`` (full shapes) over a copy of ep's skeleton whose dispatches take their
-    rank's rows of the gathered experts (:class:`OwnRows`)."""
-    skeleton = copy_sharing_meshes(ep.module)
-    for sub in skeleton.modules():
-        if isinstance(getattr(sub, "dispatch", None), AllToAllExperts):
-            sub.dispatch = OwnRows(sub.dispatch)
-    return dataclasses.replace(ep.inner, module=skeleton)
-
-
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class FsdpEpModel(FunctionalNames):
     """``shard_params`` of an ``expert_parallel`` model; see :func:`over_expert_parallel`.
 
     Attributes:
         ep: the :class:`~shardfn.transforms.experts.ExpertParallelModel`.
-        sharded: the ``ShardedModel`` (of :class:`EpLocalModel` when ``ep_inside``, else of
-            the unsplit leaves over a skeleton with :class:`OwnRows` dispatches).
+        sharded: the ``ShardedModel`` of the :class:`EpLocalModel` (its expert leaves
+            ``ignored_params`` when ``ep_inside``).
         ep_inside: whether the ep axis is one of ``sharded``'s axes (second layout).
     """
 
@@ -201,10 +165,7 @@ class FsdpEpModel(FunctionalNames):
 
     @property
     def specs(self) -> dict[str, Layout | LeafLayout]:
-        """``name -> layout``: :class:`FsdpEpLayout` (ep, then dp), or with the ep axis
-        among the sharding axes ``shard_params``' own layouts of the full leaves."""
-        if self.ep_inside:
-            return dict(self.sharded.specs)
+        """``name -> layout``: :class:`FsdpEpLayout` (the ep split, then shard_params')."""
         dp, ep = self.sharded.specs, self.ep.specs
         return {name: FsdpEpLayout(ep[name], dp[name]) for name in self.names}
 
@@ -218,7 +179,7 @@ class FsdpEpModel(FunctionalNames):
         Example:
             >>> shards = model.shard(fm.init(0))
         """
-        return self.sharded.shard(tree if self.ep_inside else self.ep.shard(tree))
+        return self.sharded.shard(self.ep.shard(tree))
 
     def gather(self, shards: Mapping[str, torch.Tensor]) -> Params:
         """The full leaves of every rank's shards (params or gradients, any subset;
@@ -227,8 +188,7 @@ class FsdpEpModel(FunctionalNames):
         Example:
             >>> full = model.gather(shards)   # == fm.init(0)
         """
-        leaves = self.sharded.gather(shards)
-        return leaves if self.ep_inside else self.ep.gather(leaves)
+        return self.ep.gather(self.sharded.gather(shards))
 
     gather_params = gather
 
@@ -237,19 +197,28 @@ class FsdpEpModel(FunctionalNames):
         return self.shard(self.ep.inner.params_from(module))
 
     def _enter_ep(self, shards: Mapping[str, torch.Tensor]) -> Params:
-        """The shards as the ep model's ``apply`` takes its leaves: non-expert ones through
-        ``pvary`` over ep, each trainable one counting ``1/ep`` for the mean."""
-        size = self.ep.mesh.size(self.ep.axis)
-        trainable = set(self.trainable_names) & set(shards)
-        if self.ep_inside or size == 1 or not trainable:
+        """The shards as the ep model's ``apply`` takes its leaves (module docstring). First
+        layout: the non-expert ones through ``pvary`` over ep, every trainable one counting
+        ``1/ep`` for the mean. Second: the expert leaves through ``pvary`` over the replica
+        axes, counting ``1/`` the data-parallel ranks (``shard_params`` reduces the rest)."""
+        ep_axis = self.ep.axis
+        if self.ep_inside:
+            data = _axes(self.sharded.axis) + _axes(self.sharded.replicate_axis)
+            entering, count = set(self.experts), math.prod(self.mesh.size(a) for a in data)
+            varied_axes, to_vary = tuple(a for a in data if a != ep_axis), set(self.experts)
+        else:
+            entering, count = set(self.names), self.ep.mesh.size(ep_axis)
+            varied_axes, to_vary = (ep_axis,), set(self.names) - set(self.experts)
+        trainable = entering & set(self.trainable_names) & set(shards)
+        if count == 1 or not trainable:
             return dict(shards)
-        varied = pvary({n: shards[n] for n in trainable if n not in self.experts},
-                       self.ep.axis, mesh=self.ep.mesh)
+        varied = pvary({n: shards[n] for n in trainable & to_vary}, varied_axes,
+                       mesh=self.ep.mesh) if varied_axes else {}
         mean = self.sharded.grad_reduce == "mean"
         out = {}
         for name, leaf in shards.items():
             leaf = varied.get(name, leaf)
-            out[name] = counted_once(leaf, size) if mean and name in trainable else leaf
+            out[name] = counted_once(leaf, count) if mean and name in trainable else leaf
         return out
 
     def apply(self, shards: Mapping[str, torch.Tensor], *args: Any, mutable: bool = False,
@@ -291,7 +260,7 @@ class FsdpEpModel(FunctionalNames):
 
     def __repr__(self) -> str:
         return (f"FsdpEpModel(axis={self.axis!r}, {self.ep!r}, units={list(self.units)}, "
-                f"experts {'gathered over the sharding axes' if self.ep_inside else 'split'})")
+                f"experts {'held whole per rank' if self.ep_inside else 'split over ep, dp'})")
 
 
 def over_expert_parallel(shard_fn: Callable, ep: ExpertParallelModel, mesh: Mesh, axis: Any,
@@ -313,8 +282,9 @@ def over_expert_parallel(shard_fn: Callable, ep: ExpertParallelModel, mesh: Mesh
         ValueError: another mesh than the model's, or an axis the mesh lacks.
 
     Communication per step: the ep model's all-to-alls, plus FSDP's ``3 Psi (N-1)/N`` over
-    ``axis`` (Psi: a rank's ep leaves in the first layout, the unsplit ones in the second),
-    plus (first layout) a psum over ep of each non-expert shard's gradient.
+    ``axis`` (Psi: a rank's ep leaves in the first layout, the non-expert ones in the
+    second), plus (first layout) a psum over ep of each non-expert shard's gradient, or
+    (second) a psum of the rank's expert gradients over the replica axes.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"shard_params: mesh must be an sf.Mesh, got {type(mesh).__name__}")
@@ -328,6 +298,20 @@ def over_expert_parallel(shard_fn: Callable, ep: ExpertParallelModel, mesh: Mesh
             raise ValueError(f"shard_params: axis {name!r} is not an axis of the mesh "
                              f"{mesh.axis_names}")
     inside = ep.axis in _axes(axis) + _axes(options.get("replicate_axis"))
-    local = _own_rows_model(ep) if inside else ep_local_model(ep)
-    sharded = shard_fn(local, mesh, axis, units=list(unit_paths), **options)
+    if inside:  # the experts held whole on each rank, never gathered (docstring)
+        options = {**options, "ignored_params": _with_experts(options.get("ignored_params"),
+                                                              ep.experts)}
+    sharded = shard_fn(ep_local_model(ep), mesh, axis, units=list(unit_paths), **options)
     return FsdpEpModel(ep, sharded, inside)
+
+
+def _with_experts(ignored: Any, experts: Collection[str]) -> Any:
+    """``ignored_params=`` with the expert leaves added (a collection or a predicate; a
+    value of another kind is passed on for ``shard_params`` to refuse)."""
+    if ignored is None:
+        return frozenset(experts)
+    if callable(ignored):
+        return lambda name, leaf: name in experts or bool(ignored(name, leaf))
+    if isinstance(ignored, str) or not isinstance(ignored, Collection):
+        return ignored
+    return frozenset(experts) | frozenset(ignored)

@@ -1,9 +1,12 @@
 """Expert parallelism composed: with data parallelism on a {"dp": 2, "ep": 2} mesh (every
 rank sees its own tokens; expert gradients reduced over the ranks holding the same experts,
 the others over all four), checkpoints saved at ep=2 and loaded at ep=1 and ep=4, and
-FairScale's rank-local experts inside a parameter-sharded model."""
+FairScale's rank-local experts inside a parameter-sharded model (no expert byte moved but
+the tokens')."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from tests.moe import _moe_cases as cases
 from tests.moe._moe_cases import Case
 
 CASE = Case(experts=4, top_k=2, capacity_factor=1.25, tokens=(5, 9, 3, 7), skew=3.0, seed=4)
+EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 def _dp_ep_step(dp_mean: bool):
@@ -85,29 +89,44 @@ def test_checkpoint_reshards_experts(worlds, tmp_path, ep_size):
     torch.testing.assert_close(loaded[1], {k: 2 * v + 1 for k, v in full.items()})
 
 
-def _rank_local_experts_in_a_sharded_model(case: Case):
-    """This rank's ``(gathered grads, local shards, full params)`` with the ep model sharded
-    by shard_params over its own axis "ep"."""
+def _rank_local_experts_in_a_sharded_model(case: Case, shape: dict, axis):
+    """This rank's ``(gathered grads, local leaves, comm bytes of the step by (axis, op))``
+    with the ep model sharded by shard_params over axes holding "ep"."""
     import torch.distributed as dist
 
-    mesh = sf.Mesh({"ep": 2})
+    mesh = sf.Mesh(shape)
     fm = cases.model(case)
-    model = sf.shard_params(expert_parallel(fm, mesh, "ep"), mesh, "ep")
+    model = sf.shard_params(expert_parallel(fm, mesh, "ep"), mesh, axis)
     leaves = model.shard(cases.params(case, fm))
     x = cases.tokens(case, dist.get_rank())
-    return model.gather(torch.func.grad(lambda t: cases.loss(model, t, x))(leaves)), leaves
+    sf.reset_comm_stats()
+    grads = torch.func.grad(lambda t: cases.loss(model, t, x))(leaves)
+    comm = sf.comm_stats().by_op
+    return model.gather(grads), leaves, comm
 
 
-def test_rank_local_experts_inside_a_sharded_model(worlds):
-    """FairScale's MoE property: experts stay rank-local (rank r stores exactly its block of
-    E/2 experts) while the other parameters are sharded (ZeRO-3) over the same ranks;
-    gradients equal the unsplit model's."""
-    case = CASE._replace(tokens=(7, 7))  # shard_params (check mode): equal batches
+@pytest.mark.parametrize("shape, axis", [({"ep": 2}, "ep"), ({"dp": 2, "ep": 2}, ("dp", "ep"))])
+def test_rank_local_experts_inside_a_sharded_model(worlds, shape, axis):
+    """FairScale's MoE property: experts stay rank-local (a rank stores exactly its block of
+    E/ep experts, replicated over "dp") while the other parameters are sharded (ZeRO-3)
+    over the same ranks; no expert byte is gathered or scattered: the step's all-gathers
+    (forward and backward) and reduce-scatter over the sharding axes carry the router only,
+    and the expert gradients are psummed over "dp" alone; gradients equal the unsplit
+    model's."""
+    n, ep = math.prod(shape.values()), shape["ep"]
+    case = CASE._replace(tokens=(7,) * n)  # shard_params (check mode): equal batches
     _, (reference, _) = cases.reference(case)
     full = cases.params(case, cases.model(case))
-    for rank, (gathered, leaves) in enumerate(worlds(2).run(
-            _rank_local_experts_in_a_sharded_model, case)):
+    key = "+".join(axis) if isinstance(axis, tuple) else axis
+    router = -(-full["gate.weight"].shape[0] // n) * full["gate.weight"].shape[1] * 4 * (n - 1)
+    experts = sum(full[k].numel() // ep * 4 for k in EXPERTS)  # a rank's expert bytes
+    for rank, (gathered, leaves, comm) in enumerate(worlds(n).run(
+            _rank_local_experts_in_a_sharded_model, case, shape, axis)):
         torch.testing.assert_close(gathered, reference)
-        for name in ("experts.gate_up_proj", "experts.down_proj"):
-            torch.testing.assert_close(leaves[name], full[name].chunk(2)[rank])
-        torch.testing.assert_close(leaves["gate.weight"], full["gate.weight"].chunk(2)[rank])
+        for name in EXPERTS:
+            torch.testing.assert_close(leaves[name], full[name].chunk(ep)[rank % ep])
+        torch.testing.assert_close(leaves["gate.weight"], full["gate.weight"].chunk(n)[rank])
+        assert comm[(key, "all_gather")] == 2 * router and comm[(key, "psum_scatter")] == router
+        assert comm.get(("dp", "psum"), 0) == (experts if "dp" in shape else 0)
+        assert set(comm) <= {(key, "all_gather"), (key, "psum_scatter"), ("dp", "psum"),
+                             ("ep", "all_to_all"), ("ep", "all_to_all_v")}  # nothing else

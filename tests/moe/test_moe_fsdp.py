@@ -1,7 +1,7 @@
 """Expert parallelism under shard_params (ZeRO-3 / FSDP x EP): a property test over dp and
 ep sizes (1, 2), experts (2, 4), top-k (1, 2), remat / resharding / "sum", and the sharding
 axes ("dp": experts split over ep then over dp; "ep" with HSDP over "dp", both, or "dp"
-replicated over "ep": the unsplit leaves sharded, each rank computing its own experts' rows)
+replicated over "ep": each rank's E/ep experts held whole, the other leaves sharded)
 against one process; a mutant without the ep reduction is caught; the model
 protocol's conformance suite with one unit per MoE layer; checkpoints saved under
 {"dp": 2, "ep": 2} load into plain expert parallelism and into one process; errors."""
@@ -35,7 +35,7 @@ def _sharded(case: Case, dp: int, ep: int, over, **options):
 def _on_rank(case: Case, dp: int, ep: int, over, options=None, mode: str = "grad",
              enter_ep: bool = True):
     """This rank's ``(output, aux, grads by model.gather, by sf.gather, init == shard,
-    global norm of the grads over model.specs)``;
+    global norm of the grads over model.specs, rows of its expert leaves)``;
     ``mode``: "grad" (torch.func.grad) or "autograd"; ``enter_ep=False``: the mutant that
     skips the ep reduction (ShardedModel.apply direct)."""
     import torch.distributed as dist
@@ -55,7 +55,9 @@ def _on_rank(case: Case, dp: int, ep: int, over, options=None, mode: str = "grad
     inits = model.init(case.seed), model.shard(fm.init(case.seed))
     same_init = all(torch.equal(inits[0][k], inits[1][k]) for k in inits[0])
     norm = sf.optim.global_norm(grads, model.specs, mesh)
-    return out, aux, model.gather(grads), sf.gather(grads, model.specs, mesh), same_init, norm
+    rows = {leaves[k].shape[0] for k in model.experts}
+    return (out, aux, model.gather(grads), sf.gather(grads, model.specs, mesh), same_init, norm,
+            rows)
 
 
 def _run(worlds, case: Case, dp: int, ep: int, over, options=None, mode="grad",
@@ -103,13 +105,15 @@ def test_ep_under_shard_params_equals_one_process(worlds, setup):
     gradients (model.gather and sf.gather with model.specs; torch.func.grad or autograd;
     remat, no resharding) are those of the mean of every rank's loss (grad_reduce="sum":
     of the sum); init is the shard of the unsplit init; the global norm over model.specs
-    counts every element once."""
+    counts every element once; with "ep" among the sharding axes a rank holds its E/ep
+    experts whole."""
     case, dp, ep, over, options, mode = setup
     outs, (grads, _) = cases.reference(case)
     if options.get("grad_reduce") == "sum":
         grads = {k: v * len(case.tokens) for k, v in grads.items()}
     norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))
-    for rank, (out, aux, gathered, by_specs, same_init, got_norm) in enumerate(
+    inside = "ep" in (over, options.get("replicate_axis")) or over == ("dp", "ep")
+    for rank, (out, aux, gathered, by_specs, same_init, got_norm, rows) in enumerate(
             _run(worlds, case, dp, ep, over, options, mode)):
         torch.testing.assert_close(out, outs[rank][0])
         torch.testing.assert_close(tuple(aux), tuple(outs[rank][1]))
@@ -117,6 +121,7 @@ def test_ep_under_shard_params_equals_one_process(worlds, setup):
         torch.testing.assert_close(by_specs, grads)
         assert same_init
         torch.testing.assert_close(got_norm, norm)
+        assert rows == {case.experts // ep if inside else -(-case.experts // ep // dp)}
 
 
 def test_without_the_ep_reduction_is_caught(worlds):
@@ -169,8 +174,8 @@ def test_model_protocol_conformance(worlds, over):
 CKPT = Case(4, 2, None, (3, 3, 3, 3), 3.0, 5)
 
 
-def _save(path: str):
-    model, mesh, fm = _sharded(CKPT, 2, 2, "dp")
+def _save(path: str, over):
+    model, mesh, fm = _sharded(CKPT, 2, 2, over)
     params = model.shard(cases.params(CKPT, fm))
     opt = sf.optim.adamw(1e-2)
     state = opt.init(params)._replace(mu={k: 2 * v + 1 for k, v in params.items()})
@@ -187,11 +192,13 @@ def _load_ep(path: str):
     return model.gather(out["params"]), model.gather(out["opt"].mu)
 
 
-def test_checkpoint_from_fsdp_x_ep_to_ep_and_one_process(worlds, tmp_path):
-    """Saved under {"dp": 2, "ep": 2} (FsdpEpLayout: dp rows of the ep block), loaded into
-    expert_parallel on {"ep": 2} and into one process: the saved values."""
+@pytest.mark.parametrize("over", ["dp", ("dp", "ep")])
+def test_checkpoint_from_fsdp_x_ep_to_ep_and_one_process(worlds, tmp_path, over):
+    """Saved under {"dp": 2, "ep": 2} (FsdpEpLayout: dp rows of the ep block; or the ep
+    block whole, replicated over dp, the router over both), loaded into expert_parallel on
+    {"ep": 2} and into one process: the saved values."""
     path = str(tmp_path / "fsdp_ep")
-    worlds(4).run(_save, path)
+    worlds(4).run(_save, path, over)
     full = cases.params(CKPT, cases.model(CKPT))
     mu = {k: 2 * v + 1 for k, v in full.items()}
     for params, moments in worlds(2).run(_load_ep, path):

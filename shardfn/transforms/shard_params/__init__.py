@@ -100,6 +100,9 @@ Large-model options:
 * ``remat=policy``: the unit's (and root's) forward records the outputs the policy saves
   (never values computed from the gathered parameters alone) and the backward recomputes
   the rest, replaying them; ``nothing_saveable`` recomputes each unit whole.
+* ``ignored_params=`` (FSDP2's): parameters held whole on each rank (their own value per
+  rank), handed to their unit as given, never gathered nor reduced: their gradients come
+  back as the rank computed them (FSDP x EP keeps each rank's experts so).
 * ``model.accumulate_grads(loss_fn, k, mode)``: ``k`` micro-batches per step with one
   reduce-scatter per unit (``"reduce_once"``: full gradients accumulate locally) or
   ``k`` of them (``"reduce_each"``: shard gradients accumulate).

@@ -25,7 +25,8 @@ from shardfn.primitives.reduced import mark_reduced
 from shardfn.transforms.shard_params.exchange import Reduction, Tags
 from shardfn.transforms.shard_params.plan import Plan
 
-__all__ = ["AccumulateMode", "Accumulator", "NoReduce", "reduce_accumulated", "reduce_once"]
+__all__ = ["AccumulateMode", "Accumulator", "NoReduce", "check_accumulate", "reduce_accumulated",
+           "reduce_once"]
 
 #: ``accumulate_grads(mode=)``: one reduction per step (:func:`reduce_once`), or one per
 #: micro-batch (``sf.accumulate_grads`` over the normal path)
@@ -111,6 +112,21 @@ def reduce_accumulated(plan: Plan, accumulator: Accumulator,
     return out
 
 
+def check_accumulate(mode: Any, num_micro_batches: Any) -> None:
+    """Raise ``ValueError`` unless ``model.accumulate_grads`` can take ``mode`` and ``k``.
+
+    Example:
+        >>> check_accumulate("reduce_once", 4)
+    """
+    if mode not in ("reduce_once", "reduce_each"):
+        raise ValueError(f"accumulate_grads: mode must be 'reduce_once' or 'reduce_each', "
+                         f"got {mode!r}")
+    if (isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int)
+            or num_micro_batches < 1):
+        raise ValueError(f"accumulate_grads: num_micro_batches must be an int >= 1, got "
+                         f"{num_micro_batches!r}")
+
+
 def reduce_once(mean_fn: Callable, k: int, token: object,
                 plan_for: Callable[[Mapping[str, torch.dtype] | None], Plan]) -> Callable:
     """``mean_fn`` (``sf.accumulate_grads`` of a ``grad_and_value``) with every unit's
@@ -142,6 +158,8 @@ def reduce_once(mean_fn: Callable, k: int, token: object,
         for name, grad in reduce_accumulated(plan, accumulator, grads).items():
             if name in grads:
                 grads[name] = grads[name] + grad / k
+                if name in plan.ignored:  # returned untouched: the caller reduces it
+                    continue
                 mark_reduced((grads[name],), plan.all_ax, "sf.shard_params",
                              sharded=plan.ax if grads[name].dim() else ())
         return grads, loss

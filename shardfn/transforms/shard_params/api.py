@@ -32,11 +32,15 @@ from shardfn.transforms._fsdp_ep import ExpertParallelModel, over_expert_paralle
 from shardfn.transforms._fsdp_tp import over_tensor_split
 from shardfn.transforms.accumulate import accumulate_grads
 from shardfn.transforms.precision import Precision, cast_floating
-from shardfn.transforms.remat import Policy, nothing_saveable
+from shardfn.transforms.remat import Policy
 from shardfn.transforms.shard_params import leaves
-from shardfn.transforms.shard_params.accumulator import AccumulateMode, reduce_once
+from shardfn.transforms.shard_params.accumulator import (
+    AccumulateMode,
+    check_accumulate,
+    reduce_once,
+)
 from shardfn.transforms.shard_params.call import ApplyCall
-from shardfn.transforms.shard_params.choose import UnitPolicy, resolve_units
+from shardfn.transforms.shard_params.choose import IgnoredPolicy, UnitPolicy, resolve_units
 from shardfn.transforms.shard_params.compiled import compiled_apply
 from shardfn.transforms.shard_params.compose import take_model, take_remat
 from shardfn.transforms.shard_params.functions import RootFn
@@ -69,6 +73,7 @@ class ShardedModel(FunctionalNames):
         reshard_after_forward, prefetch, grad_reduce, precision, offload, remat: as given
             to :func:`shard_params` (``offload`` normalised to an :class:`OffloadPolicy`
             with the devices resolved, or None).
+        ignored_params: the names ``ignored_params=`` chose (held whole, spec ``P()``).
     """
 
     functional: FunctionalModel
@@ -84,6 +89,7 @@ class ShardedModel(FunctionalNames):
     precision: Precision | None
     offload: OffloadPolicy | None
     remat: Policy | None
+    ignored_params: frozenset[str]
     _plan: Plan  # frozen: everything an apply call reads of the model
     _guess: PrefetchGuess  # the previous forward's unit order (prefetch and overlap only)
     # the same model planned for shards of other dtypes (float64 shards of a float32
@@ -198,6 +204,9 @@ class ShardedModel(FunctionalNames):
             >>> shards = {**shards, **buffers}
         """
         if torch.compiler.is_compiling():  # one traceable path, same numbers: compiled.py
+            if self.ignored_params:  # (compiled.py gathers every leaf of dim >= 1)
+                raise NotImplementedError("shard_params(..., ignored_params=...) runs in "
+                                          "eager steps only (docs/compile.md)")
             return compiled_apply(self, shards, args, kwargs, mutable)
         self.check(shards)
         refuse_differentiated_state(shards, self.functional.buffer_names,
@@ -299,13 +308,7 @@ class ShardedModel(FunctionalNames):
             >>> step = model.accumulate_grads(loss_fn, 4, mode="reduce_once")
             >>> grads, loss = step(shards, (tokens, targets))
         """
-        if mode not in ("reduce_once", "reduce_each"):
-            raise ValueError(f"accumulate_grads: mode must be 'reduce_once' or 'reduce_each', "
-                             f"got {mode!r}")
-        if (isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int)
-                or num_micro_batches < 1):
-            raise ValueError(f"accumulate_grads: num_micro_batches must be an int >= 1, got "
-                             f"{num_micro_batches!r}")
+        check_accumulate(mode, num_micro_batches)
         mean_fn = accumulate_grads(torch.func.grad_and_value(loss_fn), num_micro_batches)
         if mode == "reduce_each":  # every micro-batch reduce-scatters: sf.accumulate_grads
             return mean_fn
@@ -323,7 +326,8 @@ class ShardedModel(FunctionalNames):
                             units=list(self.units), prefetch=self.prefetch,
                             reshard_after_forward=self.reshard_after_forward,
                             replicate_axis=self.replicate_axis, grad_reduce=self.grad_reduce,
-                            precision=self.precision, offload=self.offload, remat=self.remat)
+                            precision=self.precision, offload=self.offload, remat=self.remat,
+                            ignored_params=self.ignored_params)
 
     def eval(self) -> ShardedModel:
         """Same as ``train(False)``."""
@@ -350,6 +354,7 @@ def shard_params(
     precision: Precision | None = None,
     offload: OffloadPolicy | bool | None = None,
     remat: Policy | None = None,
+    ignored_params: IgnoredPolicy = None,
 ) -> ShardedModel:
     """Shard every parameter of ``model`` on dim 0 over ``axis`` (ZeRO-3 / FSDP; HSDP).
 
@@ -387,13 +392,17 @@ def shard_params(
             activations: forward keeps the outputs the policy saves (never values
             computed from parameters alone) and backward recomputes the rest;
             ``nothing_saveable`` recomputes each unit whole (least memory).
+        ignored_params: parameters left alone (FSDP2's): names or a predicate ``(name,
+            ShapeDtype) -> bool``. Each rank holds its own whole value (``P()``), computes
+            with it as given (cast by ``precision``) and gets its gradient unreduced.
 
     Returns:
         A :class:`ShardedModel`.
 
     Raises:
         TypeError / ValueError: a module instead of a functional model, an unknown axis,
-            or a unit policy that matches no submodule (the message lists what exists).
+            a unit policy that matches no submodule (the message lists what exists), or
+            an ``ignored_params`` name that is no parameter (a buffer, a tied alias).
 
     Example:
         >>> model = shard_params(sf.functional(net), mesh, "dp", units=Block)
@@ -416,34 +425,25 @@ def shard_params(
         return over(shard_params, model, mesh, axis, resolve_units(
             model.functional, units), dict(reshard_after_forward=reshard_after_forward,
             prefetch=prefetch, replicate_axis=replicate_axis, grad_reduce=grad_reduce,
-            precision=precision, offload=offload, remat=remat))
+            precision=precision, offload=offload, remat=remat, ignored_params=ignored_params))
     if not isinstance(model, FunctionalModel):
         raise TypeError(f"shard_params expects a FunctionalModel, a TensorSplitModel (FSDP + TP) "
                         f"or an ExpertParallelModel (FSDP x EP), got {type(model).__name__}")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an sf.Mesh, got {type(mesh).__name__}")
-    if grad_reduce not in ("mean", "sum"):
-        raise ValueError(f"grad_reduce must be 'mean' or 'sum', got {grad_reduce!r}")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
-    if remat is not None and not callable(remat):
-        raise TypeError(f"remat must be a policy (op, name) -> bool, e.g. "
-                        f"sf.checkpoint_policies.dots_saveable; got {remat!r}")
-    # None: keep every activation (no recompute); nothing_saveable: recompute each unit whole
-    # (nothing to record); another policy: record what it saves, recompute the rest
-    policy = None if remat is None or remat is nothing_saveable else remat
     place = Placement.of(precision, offload)
     plan = make_plan(model, mesh, axis, units=units, replicate_axis=replicate_axis, place=place,
                      grad_reduce=grad_reduce, prefetch=prefetch,
-                     reshard_after_forward=reshard_after_forward, save=remat is None,
-                     policy=policy)
+                     reshard_after_forward=reshard_after_forward, remat=remat,
+                     ignored=ignored_params)
     return ShardedModel(
         functional=model, mesh=mesh, axis=axis, replicate_axis=replicate_axis,
         units=plan.unit_paths, specs=dict(plan.specs), names=model.names,
         reshard_after_forward=plan.reshard_after_forward, prefetch=prefetch,
         grad_reduce=grad_reduce, precision=precision,
         offload=OffloadPolicy(place.storage, place.compute, place.pin) if place.offload else None,
-        remat=remat, _plan=plan, _guess=PrefetchGuess(len(plan.units)), _variants={})
+        remat=remat, ignored_params=plan.ignored, _plan=plan,
+        _guess=PrefetchGuess(len(plan.units)), _variants={})
 
 
 # a public contract (tests/transforms/test_shard_params_offload.py): the function's attribute

@@ -65,7 +65,7 @@ def backward_root(call: ApplyCall, unit_fn: type, arg_tensors, grads, outputs_fl
         call.prefetcher.ahead(Phase.BACKWARD, len(done.order), done.order)
         full = pending.wait()
     local, shards = call.inputs.local, call.inputs.shards
-    run = progress.run = RootRun(unit_fn, {**full, **{n: local[n] for n in root.replicated}},
+    run = progress.run = RootRun(unit_fn, {**full, **{n: local[n] for n in root.whole}},
                                  done=done)
     root_train = {n: run.plain[n] for n in root.grad_inputs}
     unit_train = {n: shards[n] for n in plan.unit_trainable}

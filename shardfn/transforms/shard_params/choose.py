@@ -1,4 +1,5 @@
-"""Choosing the units of a `shard_params` model (the ``units=`` argument).
+"""What a `shard_params` model is told to choose: its units (``units=``) and the leaves
+it leaves alone (``ignored_params=``).
 
 By default (``units=None``) a Hugging Face model's units are the instances of its
 ``_no_split_modules`` classes (its decoder or encoder layers, as Hugging Face's FSDP
@@ -9,22 +10,28 @@ Example:
     ('blocks.0', 'blocks.1')
     >>> resolve_units(sf.functional(llama), None)
     ('model.layers.0', 'model.layers.1')
+    >>> resolve_ignored(fmodel, lambda name, leaf: name.endswith("experts.down_proj"))
+    frozenset({'moe.experts.down_proj'})
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from torch import nn
 
 from shardfn._functional_hf import no_split_classes
+from shardfn._functional_layout import ShapeDtype
 from shardfn.functional import FunctionalModel
 
-__all__ = ["UnitPolicy", "resolve_units", "suggest"]
+__all__ = ["IgnoredPolicy", "UnitPolicy", "resolve_ignored", "resolve_units", "suggest"]
 
 UnitPolicy = type | tuple[type, ...] | int | Sequence[str] | None
 """A module class (or tuple of classes), a minimum parameter count, module paths, or None."""
+
+IgnoredPolicy = Collection[str] | Callable[[str, ShapeDtype], bool] | None
+"""Parameter names, a predicate ``(name, ShapeDtype) -> bool`` over them, or None (none)."""
 
 
 def resolve_units(model: FunctionalModel, units: UnitPolicy) -> tuple[str, ...]:
@@ -116,3 +123,47 @@ def suggest(names: Sequence[str], candidates: Sequence[str]) -> str:
     """A "did you mean" hint for the first few ``names`` (or '')."""
     hints = [m for name in names[:3] for m in difflib.get_close_matches(name, candidates, n=1)]
     return f"; did you mean {hints}?" if hints else ""
+
+
+def resolve_ignored(model: FunctionalModel, ignored: IgnoredPolicy) -> frozenset[str]:
+    """The parameters ``ignored_params=`` names: held whole, never gathered nor reduced.
+
+    Args:
+        model: the functional model.
+        ignored: parameter names (the model's own: a tied leaf by its first name), a
+            predicate ``(name, ShapeDtype) -> bool`` called on every parameter, or None.
+
+    Returns:
+        The names (empty for None).
+
+    Raises:
+        TypeError: ``ignored`` is a single string or of another kind.
+        ValueError: a name that is not a leaf, a buffer (never sharded anyway) or the
+            alias of a tied leaf (the message names the leaf to give instead).
+
+    Example:
+        >>> resolve_ignored(fmodel, ["lm_head.weight"])
+        frozenset({'lm_head.weight'})
+    """
+    if ignored is None:
+        return frozenset()
+    shapes = model.param_shapes()
+    if callable(ignored):
+        return frozenset(n for n in model.param_names if ignored(n, shapes[n]))
+    if isinstance(ignored, str) or not isinstance(ignored, Collection) or not all(
+            isinstance(n, str) for n in ignored):
+        raise TypeError(f"ignored_params must be a collection of parameter names or a "
+                        f"predicate (name, ShapeDtype) -> bool; got {ignored!r}")
+    params, buffers = set(model.param_names), set(model.buffer_names)
+    for name in ignored:
+        if name in params:
+            continue
+        if name in model.tied:
+            raise ValueError(f"ignored_params: {name!r} is tied to {model.tied[name]!r} (one "
+                             f"leaf for every use); name the leaf {model.tied[name]!r}")
+        if name in buffers:
+            raise ValueError(f"ignored_params: {name!r} is a buffer; buffers are held whole "
+                             f"on each rank already (never gathered nor reduced)")
+        raise ValueError(f"ignored_params: {name!r} is not a parameter of "
+                         f"{type(model.module).__name__}" + suggest([name], model.param_names))
+    return frozenset(ignored)

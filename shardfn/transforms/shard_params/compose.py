@@ -43,7 +43,7 @@ __all__ = ["register", "take_model", "take_remat"]
 
 #: the ShardedModel fields that are shard_params keywords (``precision`` and ``units`` apart)
 _OPTIONS = ("reshard_after_forward", "prefetch", "replicate_axis", "grad_reduce", "offload",
-            "remat")
+            "remat", "ignored_params")
 
 
 def _axes(axis: Any) -> tuple[str, ...]:

@@ -29,7 +29,8 @@ flight between the same ranks.
 
 * :class:`Reduction` wraps :class:`UnitReduce` with what a gradient needs around the
   exchange: the leaves asked for, FSDP2's pre/post division, the HSDP sum over the
-  replica axis, the replicated (0-dim) leaves, the copy back to the storage device.
+  replica axis, the replicated (0-dim) leaves, the ignored ones (returned untouched),
+  the copy back to the storage device.
 
 Example:
     >>> tags = Tags()
@@ -265,7 +266,9 @@ class Reduction:
     Only the leaves in ``wanted`` (None: all) are reduced: a leaf left out of the
     differentiation costs no communication. They are reduced in the reduce dtype; the
     shard gradients come back in the master dtype, on the storage device. With HSDP the
-    shards are then summed over the replica axis.
+    shards are then summed over the replica axis. The gradients of ignored leaves
+    (``ignored_params=``) come back as computed (master dtype, storage device): the
+    caller reduces them.
 
     In fp16/bf16 the gradients are divided by ``pre`` before the sum and by ``post``
     after it (``divide_factors`` over every data-parallel rank, as FSDP2 does), so a
@@ -282,6 +285,7 @@ class Reduction:
         count = plan.all_ax.size
         self.factors = [divide_factors(count, flat.dtype) for flat in self.flats]
         self.replicated = {n: grads.pop(n).detach() for n in unit.replicated if n in grads}
+        self.ignored = {n: grads.pop(n).detach() for n in unit.ignored if n in grads}
         self.exchange = UnitReduce(unit, grads, plan.ax, tag, self.flats,
                                    [pre for pre, _ in self.factors])
 
@@ -319,8 +323,11 @@ class Reduction:
             scaled = (reduced / post if post != 1.0 else reduced) if plan.grad_reduce == "mean" \
                 else (reduced * pre if pre != 1.0 else reduced)
             out[name] = place.to_storage(scaled)
+        for name, grad in self.ignored.items():  # not reduced, so not marked either
+            out[name] = place.to_storage(grad.to(plan.masters[name]))
         # a second reduction over this axis (data_parallel, shard_opt_state) is refused
-        mark_reduced([t for n, t in out.items() if n not in self.replicated], plan.all_ax,
+        mark_reduced([t for n, t in out.items() if n not in self.replicated
+                      and n not in self.ignored], plan.all_ax,
                      "sf.shard_params", sharded=plan.ax)
         mark_reduced([out[n] for n in self.replicated if n in out], plan.all_ax,
                      "sf.shard_params", sharded=())

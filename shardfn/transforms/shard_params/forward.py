@@ -78,7 +78,7 @@ def forward_root(call: ApplyCall, tensors: Sequence[torch.Tensor],
     plan = config.plan
     root, names, place = plan.root, plan.names, plan.place
     shards = dict(zip(names, tensors[:len(names)], strict=True))
-    local = [n for u in (*plan.units, root) for n in u.replicated] + [
+    local = [n for u in (*plan.units, root) for n in u.whole] + [
         n for n in names if n in plan.buffer_set]
     call.inputs = CallInputs(shards, {n: place.cast(place.to_compute(shards[n])) for n in local})
     state = call.forward_state = ForwardState()
@@ -89,7 +89,7 @@ def forward_root(call: ApplyCall, tensors: Sequence[torch.Tensor],
     if config.keep_root:  # reshard_after_forward False or "units": backward reuses them
         progress.kept[-1] = full
     run = progress.run = RootRun(unit_fn, {**full, **{n: call.inputs.local[n]
-                                                      for n in root.replicated}})
+                                                      for n in root.whole}})
     rng_root = rng_state()
     graph = config.record and plan.save
     before = arguments_signature((args, kwargs)) if config.record else ()

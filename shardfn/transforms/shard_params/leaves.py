@@ -4,8 +4,10 @@ What :class:`~.api.ShardedModel`'s tree members do (``api`` keeps the methods an
 their documentation); each reads only the frozen :class:`~.plan.Plan`. A leaf's
 local shard is ``sf.shard(full, plan.specs[name], mesh)``: rows of dim 0 over the
 sharding axis, zero-padded (``P()`` for 0-dim parameters and buffers), the same on
-every rank of an HSDP replica axis. ``shard`` and ``gather`` take any subset of the
-leaves (a gradient tree, the trainable part of ``split_trainable``).
+every rank of an HSDP replica axis. An ignored leaf (``ignored_params=``) is its
+own value on each rank (``P()``, never checked to agree: the caller may hold another
+value on each). ``shard`` and ``gather`` take any subset of the leaves (a gradient
+tree, the trainable part of ``split_trainable``).
 
 Example:
     >>> shards = shard_leaves(model._plan, fmodel.init(0), "shard_params.shard")
@@ -30,11 +32,18 @@ Params = dict[str, torch.Tensor]
 
 
 def _cut(plan: Plan, full: Mapping[str, torch.Tensor]) -> Params:
-    """This rank's shards of ``full`` (fresh tensors, on the storage device), unchecked."""
+    """This rank's shards of ``full`` (fresh tensors, on the storage device); check mode
+    checks that the leaves but the ignored ones agree over the data-parallel axes."""
     over = plan.all_ax.names  # (over tensor_split: the TP shards differ over tp)
-    return {name: plan.place.store(shard(full[name], plan.specs[name], plan.mesh,
-                                         replicated_over=over).clone())
-            for name in plan.names if name in full}
+    return {name: plan.place.store(shard(
+        full[name], plan.specs[name], plan.mesh,
+        replicated_over=() if name in plan.ignored else over).clone())
+        for name in plan.names if name in full}
+
+
+def _agreeing(plan: Plan, tree: Mapping[str, torch.Tensor]) -> Params:
+    """The leaves of ``tree`` that must be the same on every data-parallel rank."""
+    return {name: x for name, x in tree.items() if name not in plan.ignored}
 
 
 def init_shards(plan: Plan, seed: int, device: torch.device | str | None) -> Params:
@@ -57,7 +66,7 @@ def init_shards(plan: Plan, seed: int, device: torch.device | str | None) -> Par
     out: Params = {}
     for paths in plan.init_groups:
         full = plan.functional.init_subset(seed, paths, device=device)
-        consistency.check_replicated("shard_params.init", plan.all_ax, full)
+        consistency.check_replicated("shard_params.init", plan.all_ax, _agreeing(plan, full))
         out.update(_cut(plan, full))
         del full  # one unit's full leaves alive at a time
     return {name: out[name] for name in plan.names}
@@ -82,7 +91,7 @@ def shard_leaves(plan: Plan, tree: Mapping[str, torch.Tensor], what: str) -> Par
     """
     shapes = {name: tuple(layout.shape) for name, layout in plan.specs.items()}
     check_leaves(tree, shapes, what, tied=plan.functional.tied)
-    consistency.check_replicated(what, plan.all_ax, dict(tree))
+    consistency.check_replicated(what, plan.all_ax, _agreeing(plan, tree))
     return _cut(plan, tree)
 
 

@@ -31,8 +31,14 @@ from shardfn.mesh import AxisName, Mesh
 from shardfn.primitives import _comm
 from shardfn.spec import Layout, P, local_shape
 from shardfn.transforms._fsdp_tp import copy_sharing_meshes
-from shardfn.transforms.remat import Policy
-from shardfn.transforms.shard_params.choose import UnitPolicy, resolve_units, suggest
+from shardfn.transforms.remat import Policy, nothing_saveable
+from shardfn.transforms.shard_params.choose import (
+    IgnoredPolicy,
+    UnitPolicy,
+    resolve_ignored,
+    resolve_units,
+    suggest,
+)
 from shardfn.transforms.shard_params.placement import Placement
 
 __all__ = ["RESHARD", "RUNNING", "Flat", "GradReduce", "Plan", "Reshard", "Running", "Unit",
@@ -102,11 +108,17 @@ class Unit:
     gather: tuple[Flat, ...]  # all sharded leaves
     scatter: tuple[Flat, ...]  # trainable sharded leaves
     buffers: tuple[str, ...] = ()  # the buffers its module registers (updated in place)
+    ignored: tuple[str, ...] = ()  # owned parameters held whole (ignored_params=)
     _subsets: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def label(self) -> str:
         return repr(self.path) if self.path else "<root>"
+
+    @property
+    def whole(self) -> tuple[str, ...]:
+        """Owned parameters the unit is handed as given: 0-dim ones and ignored ones."""
+        return self.replicated + self.ignored
 
     def scatter_for(self, wanted: frozenset[str] | None) -> tuple[Flat, ...]:
         """``scatter`` restricted to the leaves in ``wanted`` (None: all), cached."""
@@ -157,12 +169,12 @@ class UnitCall(nn.Module):
 
 def build_units(model: FunctionalModel, paths: tuple[str, ...], n: int, token: object,
                  place: Placement, dtypes: Mapping[str, torch.dtype] | None = None,
-                 ) -> tuple[tuple[Unit, ...], Unit]:
+                 ignored: frozenset[str] = frozenset()) -> tuple[tuple[Unit, ...], Unit]:
     """The units at ``paths`` and the root unit.
 
     ``dtypes`` (leaf name -> dtype, default the module's) are the leaves' master dtypes:
     the dtypes of the shards ``apply`` is given, from which the gather and reduce dtypes
-    follow (through ``place``).
+    follow (through ``place``). ``ignored`` parameters are neither gathered nor reduced.
     """
     # meta: free; the wrapping must not touch `model`; a Mesh held by a module (the split
     # layers of tensor_split) cannot be copied: copies share it
@@ -188,11 +200,12 @@ def build_units(model: FunctionalModel, paths: tuple[str, ...], n: int, token: o
 
     def plan(index: int, path: str, module: nn.Module) -> Unit:
         owned = [name for name in model.names if owner.get(name) == index]
-        sharded = tuple(x for x in owned if len(shapes[x].shape) >= 1)
-        replicated = tuple(x for x in owned if len(shapes[x].shape) == 0)
+        held = tuple(x for x in owned if x in ignored)
+        sharded = tuple(x for x in owned if len(shapes[x].shape) >= 1 and x not in ignored)
+        replicated = tuple(x for x in owned if len(shapes[x].shape) == 0 and x not in ignored)
         external = tuple(x for x in model.names if x in used[index] and owner.get(x) == -1
                          and index != -1)
-        grad_inputs = tuple(x for x in sharded + replicated + external if x in trainable)
+        grad_inputs = tuple(x for x in sharded + replicated + held + external if x in trainable)
         dims = {x: tuple(shapes[x].shape) for x in sharded}
         gather = {x: (place.compute_dtype(masters[x]), masters[x]) for x in sharded}
         scatter = {x: (place.comm_reduce_dtype(masters[x]), masters[x])
@@ -201,7 +214,8 @@ def build_units(model: FunctionalModel, paths: tuple[str, ...], n: int, token: o
         buffers = tuple(x for x in model.names if x in used[index] and x in buffer_names)
         return Unit(index, path, module, tuple(used[index].items()), sharded, replicated,
                      external, grad_inputs, owned_grads, _flats(sharded, dims, gather, n),
-                     _flats([x for x in sharded if x in trainable], dims, scatter, n), buffers)
+                     _flats([x for x in sharded if x in trainable], dims, scatter, n), buffers,
+                     held)
 
     units = tuple(plan(i, p, m) for i, (p, m) in enumerate(zip(paths, inner, strict=True)))
     return units, plan(-1, "", skeleton)
@@ -261,6 +275,7 @@ class Plan:
         units, root: the :class:`Unit` s (``units[i].index == i``) and the root unit.
         ax, replicate_ax, all_ax: the sharding axis, the HSDP replica axis (or None) and
             both together (the data-parallel ranks a mean divides by).
+        ignored: the parameters held whole on each rank, never gathered nor reduced.
         place: dtypes and devices.
         masters: each leaf's own (master) dtype, as this plan was built for.
         specs, local_shapes: each leaf's layout and its local shard shape.
@@ -286,6 +301,7 @@ class Plan:
     ax: _comm.Axis
     replicate_ax: _comm.Axis | None
     all_ax: _comm.Axis
+    ignored: frozenset[str]
     place: Placement
     masters: Mapping[str, torch.dtype]
     specs: Mapping[str, Layout]
@@ -339,23 +355,35 @@ class Plan:
             return self
         masters = dict(zip(self.names, dtypes, strict=True))
         units, root = build_units(self.functional, self.unit_paths, self.ax.size, self.token,
-                                  self.place, masters)
+                                  self.place, masters, self.ignored)
         return dataclasses.replace(self, units=units, root=root, masters=masters)
 
 
 def make_plan(model: FunctionalModel, mesh: Mesh, axis: AxisName, *, units: UnitPolicy,
               replicate_axis: AxisName | None, place: Placement, grad_reduce: GradReduce,
-              prefetch: int, reshard_after_forward: Reshard, save: bool,
-              policy: Policy | None) -> Plan:
-    """Choose the units and plan them (arguments as for ``shard_params``, validated there).
+              prefetch: int, reshard_after_forward: Reshard, remat: Policy | None,
+              ignored: IgnoredPolicy = None) -> Plan:
+    """Choose the units and plan them (arguments as for ``shard_params``; the model and
+    mesh checked there, the options here).
 
     Raises:
         ValueError: an unknown axis, a replica axis overlapping ``axis``, a unit policy
-            that matches no submodule, or a ``reshard_after_forward`` not in ``RESHARD``.
+            that matches no submodule, a ``reshard_after_forward`` not in ``RESHARD``, a
+            ``grad_reduce`` or ``prefetch`` out of range, or what ``resolve_ignored``
+            refuses.
+        TypeError: a ``remat`` that is no policy.
     """
     if reshard_after_forward not in RESHARD or not isinstance(reshard_after_forward, (bool, str)):
         raise ValueError(f"reshard_after_forward must be one of {RESHARD}, got "
                          f"{reshard_after_forward!r}")
+    if grad_reduce not in ("mean", "sum"):
+        raise ValueError(f"grad_reduce must be 'mean' or 'sum', got {grad_reduce!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+    if remat is not None and not callable(remat):
+        raise TypeError(f"remat must be a policy (op, name) -> bool, e.g. "
+                        f"sf.checkpoint_policies.dots_saveable; got {remat!r}")
+    held = resolve_ignored(model, ignored)
     ax = _comm.resolve(axis, mesh)
     replicate_ax, all_names = None, ax.names
     if replicate_axis is not None:
@@ -365,23 +393,27 @@ def make_plan(model: FunctionalModel, mesh: Mesh, axis: AxisName, *, units: Unit
         all_names = ax.names + replicate_ax.names
     paths = resolve_units(model, units)
     token = object()
-    unit_plans, root = build_units(model, paths, ax.size, token, place)
+    unit_plans, root = build_units(model, paths, ax.size, token, place, ignored=held)
     shapes = model.param_shapes()
     specs, local_shapes = {}, {}
     for name in model.names:
         shape = tuple(shapes[name].shape)
-        spec = P(axis) if name in model.param_names and len(shape) >= 1 else P()
+        sharded = name in model.param_names and len(shape) >= 1 and name not in held
+        spec = P(axis) if sharded else P()
         specs[name] = Layout(spec, shape)
         local_shapes[name] = local_shape(shape, spec, mesh)
     return Plan(
         functional=model, mesh=mesh, token=token, names=model.names,
         buffer_names=model.buffer_names, unit_paths=paths, units=unit_plans, root=root,
         ax=ax, replicate_ax=replicate_ax,
-        all_ax=_comm.resolve(all_names, mesh), place=place,
+        all_ax=_comm.resolve(all_names, mesh), ignored=held, place=place,
         masters={name: shapes[name].dtype for name in model.names}, specs=specs,
         local_shapes=local_shapes, buffer_set=frozenset(model.buffer_names),
         trainable_set=frozenset(model.trainable_names),
         unit_trainable=tuple(n for u in unit_plans for n in u.grad_inputs
                              if n not in u.external),
         init_groups=init_groups(model, paths), grad_reduce=grad_reduce, prefetch=prefetch,
-        reshard_after_forward=reshard_after_forward, save=save, policy=policy)
+        # None: keep every activation (no recompute); nothing_saveable: recompute each unit
+        # whole (nothing to record); another policy: record what it saves, recompute the rest
+        reshard_after_forward=reshard_after_forward, save=remat is None,
+        policy=None if remat is None or remat is nothing_saveable else remat)

@@ -89,7 +89,7 @@ class CallInputs(NamedTuple):
 
     Attributes:
         shards: plain local shards and buffers, by leaf name (as ``RootFn.forward`` got them).
-        local: replicated leaves and buffers on the compute device, cast.
+        local: replicated and ignored leaves and buffers on the compute device, cast.
     """
 
     shards: Params

@@ -108,6 +108,6 @@ def params_for(call: ApplyCall, unit: Unit, full: Params, buffers: Params,
             params[rel] = buffers[name]
         elif name in unit.external:
             params[rel] = call.progress.run.plain[name]
-        else:  # a replicated (0-dim) parameter
+        else:  # a replicated (0-dim) or ignored parameter, as given
             params[rel] = local[name]
     return params
