@@ -242,13 +242,14 @@ def _tree_memory(params, grads, state) -> dict[str, int]:
 
 
 def _pure_step_system(ctx: Context, reduce, opt, *, donate: bool = False,
-                      grads_kept=None, engine: bool = False) -> System:
+                      grads_kept=None, engine: bool = False, grad_and_value=None) -> System:
     """A torch.func step: grad_and_value, ``reduce`` (grads -> grads), ``opt``, apply_updates.
 
     ``donate``: ``apply_updates(..., donate=True)`` (the optimizer and ``reduce`` are built
     donating by the caller). ``grads_kept(grads) -> bytes`` overrides how the gradient
     memory is counted. ``engine``: the gradient from ``sf.grad_and_value`` (first order
-    on the autograd engine) instead of ``torch.func.grad_and_value``.
+    on the autograd engine) instead of ``torch.func.grad_and_value``. ``grad_and_value``:
+    the maker of the gradient function itself (``dp.grad_and_value``: reduced already).
     """
     import shardfn as sf
 
@@ -259,7 +260,9 @@ def _pure_step_system(ctx: Context, reduce, opt, *, donate: bool = False,
     def loss_fn(params, x, y):
         return loss_of(model.apply(params, x), y)
 
-    grad_and_value = (sf.grad_and_value if engine else torch.func.grad_and_value)(loss_fn)
+    if grad_and_value is None:
+        grad_and_value = sf.grad_and_value if engine else torch.func.grad_and_value
+    grad_and_value = grad_and_value(loss_fn)
 
     def step(i: int) -> None:
         x, y = ctx.batch(i)
@@ -335,6 +338,25 @@ def setup_sf_dp_engine(ctx: Context) -> System:
     dp = sf.data_parallel(ctx.mesh, "dp", donate=True)
     return _pure_step_system(ctx, dp.reduce_grads, _adamw(ctx, donate=True), donate=True,
                              engine=True)
+
+
+@SYSTEMS.register("sf-dp-grad", "shardfn data_parallel (dp.grad_and_value, overlapped, donated)")
+def setup_sf_dp_grad(ctx: Context) -> System:
+    import shardfn as sf
+
+    dp = sf.data_parallel(ctx.mesh, "dp")
+    return _pure_step_system(ctx, lambda grads: grads, _adamw(ctx, donate=True), donate=True,
+                             grad_and_value=dp.grad_and_value)
+
+
+@SYSTEMS.register("sf-dp-grad-pure",
+                  "shardfn data_parallel (dp.grad_and_value, overlapped, no donation)")
+def setup_sf_dp_grad_pure(ctx: Context) -> System:
+    import shardfn as sf
+
+    dp = sf.data_parallel(ctx.mesh, "dp")
+    return _pure_step_system(ctx, lambda grads: grads, _adamw(ctx),
+                             grad_and_value=dp.grad_and_value)
 
 
 @SYSTEMS.register("sf-dp-pure", "shardfn data_parallel (torch.func, no donation)")

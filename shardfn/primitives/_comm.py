@@ -12,6 +12,11 @@ shapes they are given: the public collectives validate arguments and run the
 check-mode hooks before calling these; nothing here is hooked. In code that
 ``torch.compile`` traces they only call the ops (no counting, no in-flight
 mark: see :mod:`shardfn.primitives._compiled`).
+
+The ``*_start`` functions and :func:`wait` split psum, all_gather and psum_scatter
+into the issue and the wait, for code that wants compute to run while a collective
+is in flight: in a compiled step inductor then issues each collective as soon as its
+input exists and waits just before the result's first use (docs/compile.md, "Overlap").
 """
 
 from __future__ import annotations
@@ -182,3 +187,128 @@ def broadcast(x: torch.Tensor, ax: Axis, src: int) -> torch.Tensor:
         return x.clone()
     return _issue(ax, "broadcast", _nbytes(x) * (ax.size - 1) / ax.size,
                   lambda: _ops.wait_tensor(_ops.broadcast(x.contiguous(), src, ax.group_name)))
+
+
+# ---- split collectives: issue now, wait where the result is used ------------------------
+
+
+class Pending(NamedTuple):
+    """A collective issued by a ``*_start`` function and not yet waited for.
+
+    ``tensor`` is the functional op's output: the collective may still be writing it,
+    so read it only through :func:`wait`. In code that ``torch.compile`` traces the
+    issue and the wait are separate graph nodes, and inductor's scheduler places each
+    where its inputs and users are: the issue as soon as the input exists, the wait
+    just before the first use, with the compute in between running while the
+    collective is in flight (see docs/compile.md, "Overlap").
+    """
+
+    tensor: torch.Tensor
+    what: str          # the collective and its axis, for hang reports
+    dim: int           # where the op's dim 0 goes back to after the wait
+    was_complex: bool  # view the result back as complex
+    done: bool         # nothing in flight (an axis of size 1): ``tensor`` is the result
+
+
+def _start(x: torch.Tensor, ax: Axis, op: str, nbytes: float, dim: int,
+           call: Callable[[torch.Tensor], torch.Tensor]) -> Pending:
+    was_complex = x.is_complex()
+    real = torch.view_as_real(x) if was_complex else x
+    moved = real.movedim(dim, 0).contiguous()
+    return Pending(_issue(ax, op, nbytes, lambda: call(moved)), ax.describe(op), dim,
+                   was_complex, False)
+
+
+def psum_start(x: torch.Tensor, ax: Axis) -> Pending:
+    """Issue :func:`psum` of ``x`` over ``ax``; :func:`wait` gives the sum.
+
+    Args:
+        x: this rank's tensor.
+        ax: the resolved axis.
+
+    Returns:
+        A :class:`Pending`; ``wait(psum_start(x, ax))`` equals ``psum(x, ax)`` bitwise.
+
+    Example:
+        >>> issued = [psum_start(flat, ax) for flat in buckets]   # all in flight
+        >>> sums = [wait(p) for p in issued]
+    """
+    if ax.size == 1:
+        return Pending(x.clone(), "", 0, False, True)
+    return _start(x, ax, "psum", 2 * _nbytes(x) * (ax.size - 1) / ax.size, 0,
+                  lambda t: _ops.all_reduce(t, "sum", ax.group_name))
+
+
+def all_gather_start(x: torch.Tensor, ax: Axis, dim: int) -> Pending:
+    """Issue :func:`all_gather` of ``x`` along ``dim``; :func:`wait` gives the result.
+
+    Args:
+        x: this rank's block.
+        ax: the resolved axis.
+        dim: the dim to concatenate the ranks' blocks on.
+
+    Returns:
+        A :class:`Pending`; ``wait(...)`` equals ``all_gather(x, ax, dim)`` bitwise.
+
+    Example:
+        >>> next_unit = all_gather_start(shard, ax, 0)   # before this unit's compute
+    """
+    if ax.size == 1:
+        return Pending(x.clone(), "", 0, False, True)
+    return _start(x, ax, "all_gather", _nbytes(x) * (ax.size - 1), dim,
+                  lambda t: _ops.all_gather_into_tensor(t, ax.size, ax.group_name))
+
+
+def psum_scatter_start(x: torch.Tensor, ax: Axis, dim: int) -> Pending:
+    """Issue :func:`psum_scatter` of ``x`` on ``dim``; :func:`wait` gives this rank's block.
+
+    Args:
+        x: this rank's tensor (``dim`` divisible by the axis size).
+        ax: the resolved axis.
+        dim: the dim to scatter.
+
+    Returns:
+        A :class:`Pending`; ``wait(...)`` equals ``psum_scatter(x, ax, dim)`` bitwise.
+
+    Raises:
+        ValueError: when ``dim`` is not divisible by the axis size.
+
+    Example:
+        >>> grad_shard = wait(psum_scatter_start(full_grad, ax, 0))
+    """
+    if x.shape[dim] % ax.size:
+        raise ValueError(
+            f"psum_scatter over axis {ax.key!r} needs dim {dim} (size {x.shape[dim]}) "
+            f"divisible by the axis size {ax.size}; pad it first (sf.shard pads for you)"
+        )
+    if ax.size == 1:
+        return Pending(x.clone(), "", 0, False, True)
+    return _start(x, ax, "psum_scatter", _nbytes(x) * (ax.size - 1) / ax.size, dim,
+                  lambda t: _ops.reduce_scatter_tensor(t, "sum", ax.size, ax.group_name))
+
+
+def wait(pending: Pending) -> torch.Tensor:
+    """Wait for an issued collective and return its result.
+
+    In eager code the wait is marked in flight for hang reports; in traced code it is
+    only the ``wait_tensor`` node, which inductor places before the result's first use.
+
+    Args:
+        pending: what a ``*_start`` function returned.
+
+    Returns:
+        The collective's result, as the one-call collective gives it.
+
+    Example:
+        >>> total = wait(psum_start(x, ax))
+    """
+    if pending.done:
+        return pending.tensor
+    if stats.counting():
+        with stats.collective_scope(pending.what):
+            out = _ops.wait_tensor(pending.tensor)
+    else:
+        out = _ops.wait_tensor(pending.tensor)
+    if pending.dim:
+        out = out.movedim(0, pending.dim).contiguous()
+    return torch.view_as_complex(out.contiguous()) if pending.was_complex else out

@@ -1,10 +1,15 @@
 """`data_parallel`: gradient averaging over a data-parallel axis (the DDP baseline).
 
-Two ways to use it, the same communication either way:
+Three ways to use it, the same communication every way:
 
 * **Pure step** (``torch.func``): ``grads = dp.reduce_grads(grads)`` averages a
   gradient tree over ``axis`` and returns a new tree (with ``donate=True`` it
   averages in place in the tree it was given, which is then dead).
+* **Pure step, overlapped**: ``grads, loss = dp.grad_and_value(loss_fn)(params,
+  batch)`` is ``sf.grad_and_value`` followed by ``reduce_grads``, bitwise, but
+  each bucket's reduction starts while the backward goes on (DDP's overlap; see
+  :mod:`shardfn.transforms._dp_grad`). Inside ``vmap``/``grad``/``torch.compile``
+  it is that composition.
 * **Autograd step**: ``with dp.overlap(params) as sync: loss.backward()`` hooks
   every parameter; as soon as all gradients of a bucket have been accumulated,
   that bucket's reduction starts while backward goes on (DDP's overlap), and
@@ -47,25 +52,25 @@ from shardfn.mesh import AxisName, Mesh
 from shardfn.optim.donation import writable_in_place
 from shardfn.primitives import _comm, consistency, stats
 from shardfn.primitives._compiled import tracing
-from shardfn.primitives.buckets import (
-    DEFAULT_BUCKET_BYTES,
-    IN_FLIGHT,
-    BucketSchedule,
-    by_bytes,
-    gather_tag,
-    reduce_tag,
-)
-from shardfn.primitives.flat import FlatPartition, leaf_divide_factors, piece_divisors, weight_share
-from shardfn.primitives.grad_hooks import GradHooks
+from shardfn.primitives.buckets import DEFAULT_BUCKET_BYTES, gather_tag, reduce_tag
+from shardfn.primitives.flat import FlatPartition, leaf_divide_factors, weight_share
 from shardfn.primitives.piece_exchange import (
     BucketPlan,
-    Exchange,
     finish_reduce_scatter,
     start_all_gather,
     start_reduce_scatter,
 )
 from shardfn.primitives.reduce_scaling import divide_factors
 from shardfn.primitives.reduced import check_not_reduced
+from shardfn.transforms._dp_grad import (
+    BucketLayout,
+    Overlap,
+    Weight,
+    device_of,
+    overlapped_grad_and_value,
+    prescale,
+    second_half,
+)
 from shardfn.transforms.precision import Precision
 
 __all__ = ["DataParallel", "data_parallel"]
@@ -80,10 +85,14 @@ class DataParallel(NamedTuple):
             per-rank batches; ``weight`` (this rank's number of examples) makes it the
             exact weighted mean ``sum_r w_r g_r / sum_r w_r``.
         overlap: ``overlap(params, *, weight=None)`` context manager for autograd steps.
+        grad_and_value: ``grad_and_value(fn, argnums=0, has_aux=False, *, weight=None)``:
+            ``sf.grad_and_value(fn, argnums, has_aux)`` whose gradients come back averaged
+            (``reduce_grads``, bitwise), the reduction overlapped with the backward.
     """
 
     reduce_grads: Callable
     overlap: Callable
+    grad_and_value: Callable
 
 
 def data_parallel(mesh: Mesh, axis: AxisName = "dp", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -154,7 +163,7 @@ def data_parallel(mesh: Mesh, axis: AxisName = "dp", *, bucket_bytes: int = DEFA
                           lambda: pytree.tree_paths(grads), ax)
         if ax.size == 1:
             if weight is not None:  # validated here too: the same errors at every size
-                weight_share(weight, ax, _device_of(leaves))
+                weight_share(weight, ax, device_of(leaves))
             return grads
         live = [i for i, g in enumerate(leaves) if g.is_floating_point() or g.is_complex()]
         sub = leaves if len(live) == len(leaves) else [leaves[i] for i in live]
@@ -169,31 +178,78 @@ def data_parallel(mesh: Mesh, axis: AxisName = "dp", *, bucket_bytes: int = DEFA
                 out[i] = g
             return pytree.tree_unflatten(treedef, out)
         part = plan(sub, grads if sub is leaves else sub)
-        work = _working_copies(sub, reduce_dtype, donate)
-        flats = [w.view(-1) for w in work]
-        share = None if weight is None else weight_share(weight, ax, _device_of(sub))
-        divide = _prescale(flats, ax, average, share)
-        _average_in_place(part.plans, flats, ax, divide)
+        share = None if weight is None else weight_share(weight, ax, device_of(sub))
+        if _fresh_output(sub, reduce_dtype, donate, average, share, ax):
+            # the sums written straight into new tensors: no copy of the gradients first
+            src = [g.detach().contiguous().view(-1) for g in sub]
+            flats = [torch.empty_like(f) for f in src]
+            _average(part.plans, src, flats, ax, ax.size if average else None)
+            work = [f.view(g.shape) for f, g in zip(flats, sub, strict=True)]
+        else:
+            work = _working_copies(sub, reduce_dtype, donate)
+            flats = [w.view(-1) for w in work]
+            divide = prescale(flats, ax, average, share)
+            _average(part.plans, flats, flats, ax, divide)
         out = list(leaves)  # frozen (non-floating) leaves come back as they are
         for w, i in zip(work, live, strict=True):
             g = leaves[i]
             out[i] = g if w is g else w.view(g.shape).to(g.dtype)
         return pytree.tree_unflatten(treedef, out)
 
-    def overlap(params, *, weight: float | torch.Tensor | None = None) -> _Overlap:
+    def overlap(params, *, weight: float | torch.Tensor | None = None) -> Overlap:
         if weight is not None and not average:
             raise ValueError("overlap(weight=...) gives a weighted mean; it needs "
                              "data_parallel(..., average=True)")
-        return _Overlap(params, ax, bucket_bytes, average, reduce_dtype, weight)
+        return Overlap(params, ax, lambda leaves: BucketLayout.whole_leaves(
+            leaves, bucket_bytes, ax.size), average, reduce_dtype, weight)
 
-    return DataParallel(reduce_grads, overlap)
+    def grad_and_value(fn: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False,
+                       *, weight: Weight = None) -> Callable:
+        """``sf.grad_and_value(fn, argnums, has_aux)`` then ``reduce_grads``, overlapped.
+
+        Outside any functorch transform and ``torch.compile`` the gradient is a first-order
+        autograd backward of fresh leaves (made for the call, dropped after it) with a hook
+        on each: every bucket of ``reduce_grads``' plan starts its reduction as soon as
+        backward has produced it, and is averaged in place in the fresh gradients. The
+        results are bitwise ``reduce_grads(sf.grad_and_value(fn, argnums, has_aux)(...),
+        weight=...)``; inside ``vmap``/``grad``/``torch.compile`` it is that composition.
+
+        Args:
+            fn: returns a scalar loss (or ``(loss, aux)`` with ``has_aux``).
+            argnums: the positional argument(s) to differentiate (trees of float tensors).
+            has_aux: ``fn`` returns ``(loss, aux)``.
+            weight: this rank's number of examples, as in ``reduce_grads``: a number, a
+                0-dim tensor, or a function of the call's arguments returning one
+                (``lambda params, batch: len(batch)``); None: the plain mean.
+
+        Returns:
+            ``step(*args, **kwargs) -> (averaged grads, loss)`` (``(grads, (loss, aux))``
+            with ``has_aux``); the loss is this rank's own.
+
+        Example:
+            >>> grads, loss = dp.grad_and_value(loss_fn)(params, local_batch)
+        """
+        return overlapped_grad_and_value(fn, argnums, has_aux, weight=weight, ax=ax,
+                                         average=average, reduce_dtype=reduce_dtype,
+                                         partition=plan, reduce_grads=reduce_grads)
+
+    return DataParallel(reduce_grads, overlap, grad_and_value)
 
 
 def _average_traced(leaves: Sequence[torch.Tensor], ax, average: bool,
                     reduce_dtype: torch.dtype | None, bucket_bytes: int) -> list[torch.Tensor]:
     """The eager arithmetic with traceable collectives (for ``torch.compile``): each bucket
     (consecutive leaves of one dtype, up to ``bucket_bytes``) laid end to end, prescaled as
-    :func:`_prescale` does, summed by one all-reduce, divided, cut back into the leaves."""
+    :func:`~shardfn.transforms._dp_grad.prescale` does, summed by one all-reduce, divided,
+    cut back into the leaves.
+
+    Every bucket's all-reduce is issued before the first wait (``_comm.psum_start``), the
+    last bucket first, so inductor's scheduler issues each one as soon as its gradients
+    exist, between the backward's matmuls, and waits only before the update reads the
+    sums: the reductions run while the rest of the backward does (docs/compile.md,
+    "Overlap"). Inductor keeps the collectives in the graph's order (each bucket's sum is
+    its own: the order changes no value). With psum (issue and wait back to back) each
+    wait came right after its issue and the next collective after that wait."""
     work = [g.detach().to(reduce_dtype or g.dtype) for g in leaves]
     buckets: list[list[int]] = []
     size = 0
@@ -204,13 +260,16 @@ def _average_traced(leaves: Sequence[torch.Tensor], ax, average: bool,
             size = 0
         buckets[-1].append(i)
         size += nbytes
-    out: list[torch.Tensor] = list(leaves)
-    for members in buckets:
+    issued = []
+    for members in reversed(buckets):  # DDP's order: the backward makes the last ones first
         pre, post = divide_factors(ax.size, work[members[0]].dtype) if average else (1, None)
         flat = torch.cat([work[i].reshape(-1) for i in members])
         if pre != 1:
             flat = flat / pre
-        flat = _comm.psum(flat, ax)
+        issued.append((members, post, _comm.psum_start(flat, ax)))
+    out: list[torch.Tensor] = list(leaves)
+    for members, post, pending in issued:
+        flat = _comm.wait(pending)
         if post is not None and post != 1:
             flat = flat / post
         for i, piece in zip(members, flat.split([work[i].numel() for i in members]),
@@ -235,157 +294,37 @@ def _working_copies(leaves: Sequence[torch.Tensor], reduce_dtype: torch.dtype | 
     return out
 
 
-def _device_of(leaves: Sequence[torch.Tensor]) -> torch.device:
-    return leaves[0].device if leaves else torch.device("cpu")
+def _fresh_output(leaves: Sequence[torch.Tensor], reduce_dtype: torch.dtype | None,
+                  donate: bool, average: bool, share: float | None, ax) -> bool:
+    """Whether the averages can be written straight into new tensors: not averaged in place
+    (not donated), and nothing to do before the sum (no weight share, no ``pre`` division
+    of low-precision leaves, no dtype cast)."""
+    if donate and writable_in_place(leaves):
+        return False
+    dtypes = [g.dtype for g in leaves]
+    return (share is None and all(reduce_dtype in (None, d) for d in dtypes)
+            and (not average or leaf_divide_factors(dtypes, ax.size) is None))
 
 
-def _prescale(flats: Sequence[torch.Tensor], ax, average: bool, share: float | None
-              ) -> int | list[float] | None:
-    """Scale ``flats`` in place before their sum-reduction; what to divide the sums by after.
-
-    With a ``share`` (weighted mean) each rank multiplies by its share and the sums are
-    the result. Otherwise low-precision leaves are divided by FSDP2's ``pre`` factor now
-    and by ``post`` after (a mean that fits in fp16 then does not overflow on the way);
-    float32 leaves are divided by the axis size once, after the sum.
-
-    Returns:
-        None (nothing to divide), the axis size, or one divisor per leaf.
-    """
-    if share is not None:
-        if share != 1.0 and flats:
-            torch._foreach_mul_(list(flats), share)
-        return None
-    if not average:
-        return None
-    factors = leaf_divide_factors([f.dtype for f in flats], ax.size)
-    if factors is None:
-        return ax.size
-    pres, posts = factors
-    for f, pre in zip(flats, pres, strict=True):
-        if pre != 1:
-            f.div_(pre)
-    return posts
-
-
-def _average_in_place(plans: Sequence[BucketPlan], flats: Sequence[torch.Tensor], ax,
-                      divide: Any) -> None:
-    """Sum (and divide) every bucket over ``ax``, in place in ``flats``."""
-    scatters = []
+def _average(plans: Sequence[BucketPlan], src: Sequence[torch.Tensor],
+             dst: Sequence[torch.Tensor], ax, divide: Any) -> None:
+    """Sum (and divide) every bucket over ``ax``: read from ``src``, written into ``dst``
+    (``dst is src``: in place; else new tensors: this rank's block is summed into them and
+    the others' blocks are received into them, ``src`` is left as it was)."""
+    in_place = dst is src
+    scatters, owns = [], []
     for b, plan in enumerate(plans):
-        stats.record(ax.key, "psum", 2 * plan.nbytes(flats) * (ax.size - 1) / ax.size)
-        scatters.append(start_reduce_scatter(plan, flats, ax, tag=reduce_tag(b), what="psum"))
+        stats.record(ax.key, "psum", 2 * plan.nbytes(src) * (ax.size - 1) / ax.size)
+        own = None if in_place else [dst[leaf][lo:hi] for leaf, lo, hi in plan.blocks[ax.index]]
+        owns.append(own)
+        scatters.append(start_reduce_scatter(plan, src, ax, tag=reduce_tag(b), what="psum",
+                                             outs=own))
     gathers = []
-    for b, (plan, exchange) in enumerate(zip(plans, scatters, strict=True)):
-        gathers.append(_second_half(plan, flats, exchange, ax, divide, tag=gather_tag(b)))
+    for b, (plan, exchange, own) in enumerate(zip(plans, scatters, owns, strict=True)):
+        if in_place:
+            gathers.append(second_half(plan, src, exchange, ax, divide, tag=gather_tag(b)))
+        else:  # first received value + own == own + it: the same sums as in place
+            finish_reduce_scatter(plan, src, exchange, ax, own, divide)
+            gathers.append(start_all_gather(plan, own, dst, ax, tag=gather_tag(b), what="psum"))
     for exchange in gathers:
         exchange.wait()
-
-
-def _second_half(plan: BucketPlan, flats: Sequence[torch.Tensor], exchange: Exchange, ax,
-                 divide: Any, tag: int) -> Exchange:
-    """Finish a bucket's reduce-scatter in place and start its all-gather.
-
-    ``divide``: None, one divisor for every sum, or a list with one per leaf."""
-    own = [flats[leaf][lo:hi] for leaf, lo, hi in plan.blocks[ax.index]]
-    if isinstance(divide, list):
-        divide = piece_divisors(plan, ax.index, divide)
-    finish_reduce_scatter(plan, flats, exchange, ax, own, divide)
-    return start_all_gather(plan, own, flats, ax, tag=tag, what="psum")
-
-
-class _Overlap(GradHooks):
-    """Hooks that average gradient buckets in place as backward produces them.
-
-    A bucket is launched (prescaled, its reduce-scatter started) once all its gradients
-    are there; settling it (finishing the sum, starting its all-gather) waits until the
-    next bucket is launched, so one reduce-scatter and the all-gathers are in flight.
-    """
-
-    def __init__(self, params, ax, bucket_bytes: int, average: bool,
-                 reduce_dtype: torch.dtype | None, weight: float | torch.Tensor | None = None):
-        super().__init__(params)
-        self.ax, self.average, self.reduce_dtype = ax, average, reduce_dtype
-        self.weight = weight
-        self.members = by_bytes(self.leaves, bucket_bytes)
-        self.plans = [BucketPlan.of([(i, 0, self.leaves[i].numel()) for i in m], ax.size)
-                      for m in self.members]
-        # buckets are launched in index order, the same on every rank; settling a bucket
-        # starts its all-gather, so one fewer reduce-scatter stays unsettled
-        self.schedule = BucketSchedule(self.members, range(len(self.members)), IN_FLIGHT - 1,
-                                       self._launch, self._settle)
-        self.scatters: dict[int, Exchange] = {}
-        self.gathers: dict[int, Exchange] = {}
-
-    def __enter__(self) -> _Overlap:
-        self._drain()  # a block whose grads() was never called
-        self.schedule.start()
-        self.flats: list[torch.Tensor | None] = [None] * len(self.leaves)
-        self.divides: dict[int, Any] = {}
-        self.share = None  # this rank's weight / total weight (one scalar psum, before backward)
-        if self.weight is not None:
-            self.share = weight_share(self.weight, self.ax, _device_of(self.leaves))
-        self._register()
-        return self
-
-    def _drain(self) -> None:
-        for exchanges in (self.scatters, self.gathers):
-            for exchange in exchanges.values():
-                exchange.wait()
-            exchanges.clear()
-
-    def _on_grad(self, i: int, param: torch.Tensor) -> None:
-        self.schedule.arrived(i)
-
-    def _launch(self, b: int) -> None:
-        members = self.members[b]  # shard_params' .grad is reduced already: refused
-        check_not_reduced("data_parallel.overlap", [self.leaves[i].grad for i in members],
-                          lambda: [self.names[i] for i in members], self.ax)
-        for i in self.members[b]:
-            grad = self.leaves[i].grad
-            if (self.ax.size > 1 and self.reduce_dtype not in (None, grad.dtype)
-                    or not grad.is_contiguous()):
-                # a copy (.to alone would alias a transposed .grad: its suggested memory
-                # format is contiguous); averaged in it, copied back in grads()
-                dtype = self.reduce_dtype if self.ax.size > 1 else None
-                grad = grad.to(dtype=dtype or grad.dtype).contiguous()
-            self.flats[i] = grad.view(-1)
-        if self.ax.size == 1:
-            return
-        # scaled in place before the sum: the .grad is averaged in place anyway
-        self.divides[b] = _prescale([self.flats[i] for i in self.members[b]], self.ax,
-                                    self.average, self.share)
-        if isinstance(self.divides[b], list):  # per member: index by leaf number
-            posts = dict(zip(self.members[b], self.divides[b], strict=True))
-            self.divides[b] = [posts.get(i, 1.0) for i in range(len(self.leaves))]
-        plan = self.plans[b]
-        stats.record(self.ax.key, "psum",
-                     2 * plan.nbytes(self.flats) * (self.ax.size - 1) / self.ax.size)
-        self.scatters[b] = start_reduce_scatter(plan, self.flats, self.ax, tag=reduce_tag(b),
-                                                what="psum")
-
-    def _settle(self, b: int) -> None:
-        if b not in self.scatters:  # an axis of size 1: nothing was sent
-            return
-        exchange = self.scatters.pop(b)
-        self.gathers[b] = _second_half(self.plans[b], self.flats, exchange, self.ax,
-                                       self.divides.pop(b), tag=gather_tag(b))
-
-    def grads(self):
-        """Wait for every bucket; the tree of the averaged ``.grad`` tensors (averaged in
-        place: the same tensors as the ``.grad`` fields, not copies)."""
-        self._check_all_arrived()
-        for i in range(len(self.leaves)):  # leaves backward did not reach this time
-            if not self.seen[i]:
-                self.seen[i] = True
-                self.schedule.arrived(i)
-        self.schedule.finish()
-        for b in sorted(self.gathers):
-            self.gathers.pop(b).wait()
-        out = []
-        for leaf, flat in zip(self.leaves, self.flats, strict=True):
-            grad = leaf.grad
-            if flat is not None and flat.data_ptr() != grad.data_ptr():
-                grad.copy_(flat.view(grad.shape))  # it was reduced in another dtype or layout
-            out.append(grad)
-        self.flats = [None] * len(self.leaves)
-        return pytree.tree_unflatten(self.treedef, out)
