@@ -39,6 +39,7 @@ Run (2 CPU ranks):
     .venv/bin/python benchmarks/bench_compile.py --quick                 # tiny model, smoke test
     .venv/bin/python benchmarks/bench_compile.py --systems pmean zero3
     .venv/bin/python benchmarks/bench_compile.py --backend aot_eager     # no code generation
+    .venv/bin/python benchmarks/bench_compile.py --systems zero1 zero3 --profile   # + top ops
     .venv/bin/python benchmarks/bench_compile.py --device cuda --world 1 # one GPU (NCCL group of 1)
 """
 
@@ -410,6 +411,28 @@ class RankOutput(NamedTuple):
     recompiles: dict[str, int]
     diff: dict[str, float | None]  # variant -> compiled vs eager, max over ranks
     seconds: float
+    profiles: dict[str, dict[str, tuple[float, int]]] = {}  # key -> op -> (self ms, calls)
+
+
+def profile_step(ctx: Context, key: str, i: int) -> dict[str, tuple[float, int]]:
+    """One more step of system ``key`` under ``torch.profiler`` (CPU): every op's self time
+    (ms, this rank's main thread) and calls. The compiled graph's own C++ kernels count as
+    the self time of its ``## Call CompiledFxGraph ...`` event (renamed ``compiled graph``).
+    """
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("bench:step"):
+            ctx.built[key].step(i)
+    events = prof.profiler.function_events
+    main = next(e.thread for e in events if e.name == "bench:step")
+    out: dict[str, tuple[float, int]] = {}
+    for e in events:
+        if e.thread != main or e.name == "bench:step":
+            continue
+        name = "compiled graph" if e.name.startswith("## Call CompiledFxGraph") else e.name
+        ms, calls = out.get(name, (0.0, 0))
+        out[name] = (ms + e.self_cpu_time_total / 1e3, calls + 1)
+    return out
 
 
 def rank_main(args: argparse.Namespace) -> RankOutput:
@@ -439,7 +462,31 @@ def rank_main(args: argparse.Namespace) -> RankOutput:
     compile_s = {k: max_over_ranks(ctx.compile_s.get(k, -1.0)) for k in keys if COMPILED in k}
     recompiles = {k: int(max_over_ranks(ctx.recompiles.get(k, -1))) for k in keys
                   if COMPILED in k}
-    return RankOutput(results, compile_s, recompiles, diff, time.perf_counter() - t0)
+    profiles = {}
+    if args.profile:  # after the comparison: one more step of every system that ran
+        for key in keys:
+            if key in ok:
+                profiles[key] = profile_step(ctx, key, ctx.total_steps - 1)
+    return RankOutput(results, compile_s, recompiles, diff, time.perf_counter() - t0,
+                      profiles)
+
+
+def profile_table(out: RankOutput, top: int = 15) -> str:
+    """Rank 0's top ops by self time in the profiled step, one column per system."""
+    keys = list(out.profiles)
+    ranked: dict[str, float] = {}
+    for key in keys:
+        for op, (ms, _) in out.profiles[key].items():
+            ranked[op] = max(ranked.get(op, 0.0), ms)
+    lines = ["| op (self ms / calls) | " + " | ".join(keys) + " |",
+             "|---|" + "---:|" * len(keys)]
+    for op in sorted(ranked, key=lambda o: -ranked[o])[:top]:
+        cells = " | ".join("{:.1f} / {}".format(*out.profiles[k].get(op, (0.0, 0)))
+                           for k in keys)
+        lines.append(f"| `{op}` | {cells} |")
+    totals = " | ".join(f"{sum(ms for ms, _ in out.profiles[k].values()):.0f}" for k in keys)
+    lines.append(f"| all ops | {totals} |")
+    return "\n".join(lines)
 
 
 def run_world_of_one(args: argparse.Namespace) -> RankOutput:
@@ -528,6 +575,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "and compiled")
     parser.add_argument("--no-peers", action="store_true", help="leave out DDP / torch TP")
     parser.add_argument("--quick", action="store_true", help="tiny models, 1+3 steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="then one more step of every system under torch.profiler: "
+                             "rank 0's top ops by self time")
     parser.add_argument("--results", default=None,
                         help="also write the tables as JSON here (benchmarks/report.py)")
     args = parser.parse_args(argv)
@@ -579,6 +629,12 @@ def main(argv: list[str] | None = None) -> None:
               "call's time (left out of the medians), graphs compiled after it, and the "
               "compiled run's parameters against the eager run's after the same steps.",
               ratio="compiled / eager", peer="the same step, eager", quantity="step time")
+    if output.profiles:
+        print("\nOne profiled step per system (torch.profiler, CPU, rank 0's main thread; "
+              "the compiled graph's C++ kernels are its own self time; gloo runs the "
+              "transfers on its own threads, so `wait_tensor` and `c10d::` ops hold the "
+              "time spent waiting for them):\n")
+        print(profile_table(output))
     print(f"\nRun took {output.seconds:.0f} s.")
     out.save(args.results)
 

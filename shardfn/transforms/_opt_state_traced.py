@@ -4,8 +4,10 @@ The eager exchanges (:mod:`._opt_state_exchange`) move pieces of the leaves
 point to point and write in place, which dynamo cannot trace. Here each bucket
 of the same :class:`~shardfn.primitives.flat.FlatPartition` is laid out as one
 flat tensor of ``N`` blocks (block ``j``: the pieces rank ``j`` owns, padded to
-the bucket's block length) and moved by one functional collective:
-``psum_scatter`` for the gradients, ``all_gather`` for the updates. The pieces,
+the bucket's block length) and moved by one functional collective
+(:mod:`shardfn.primitives._comm_traced`: on gloo an all-to-all, half the bytes of
+gloo's all-reduce-based reduce-scatter): a reduce-scatter for the gradients, an
+all-gather for the updates. The pieces,
 their owners, the sum (this rank's value plus the other's, on 2 ranks the very
 same additions) and the divisions are the eager ones, so the results are too.
 
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from shardfn.primitives import _comm
+from shardfn.primitives._comm_traced import all_gather_flat, psum_scatter_flat
 from shardfn.primitives.flat import FlatPartition, piece_divisors
 
 __all__ = ["all_gather_traced", "reduce_scatter_traced"]
@@ -81,7 +83,7 @@ def reduce_scatter_traced(part: FlatPartition, flats: list[torch.Tensor], frozen
         for pieces in plan.blocks:
             blocks += _padded([flats[leaf][lo:hi] for leaf, lo, hi in pieces
                                if leaf not in frozen], plan.block, flats[0], dtype)
-        mine = _comm.psum_scatter(torch.cat(blocks), ax, 0)
+        mine = psum_scatter_flat(torch.cat(blocks), ax)
         divisors = (piece_divisors(plan, ax.index, divide) if isinstance(divide, list)
                     else [divide] * len(plan.blocks[ax.index]))
         at = 0
@@ -125,7 +127,7 @@ def all_gather_traced(part: FlatPartition, local_leaves: list[torch.Tensor],
         own = _padded([local_leaves[leaf][at:at + hi - lo] for (leaf, lo, hi), at
                        in zip(plan.blocks[ax.index], part.local_slots[b], strict=True)
                        if leaf not in frozen], plan.block, param_leaves[0], dtype)
-        gathered = _comm.all_gather(torch.cat(own).to(dtype), ax, 0)
+        gathered = all_gather_flat(torch.cat(own).to(dtype), ax)
         for j, pieces in enumerate(plan.blocks):
             at = j * plan.block
             for leaf, lo, hi in pieces:

@@ -3,13 +3,24 @@
 Each test trains a tiny MLP on 2 ranks for 3 steps, eagerly and compiled from the
 same start, and checks: one graph, no recompile after the first step (the step
 count changes every step), and parameters and optimizer state bitwise equal to
-eager (``aot_eager``) or within float32 round-off (inductor's C++ kernels).
+eager (``aot_eager``) or within float32 round-off (inductor's C++ kernels). ZeRO's
+graph moves each bucket by one all-to-all per direction on gloo (counted).
 """
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
+
+
+def collectives(graph: torch.fx.GraphModule) -> dict[str, int]:
+    """How many of each functional collective (``wait_tensor`` aside) ``graph`` calls."""
+    return dict(collections.Counter(
+        node.target.__name__.split(".")[0] for node in graph.graph.nodes
+        if node.op == "call_function" and "_c10d_functional" in str(node.target)
+        and "wait_tensor" not in str(node.target)))
 
 
 def _train(kind: str, backend: str, steps: int = 3) -> dict:
@@ -18,6 +29,7 @@ def _train(kind: str, backend: str, steps: int = 3) -> dict:
 
     import torch
     import torch._dynamo
+    import torch._dynamo.testing
     from torch._dynamo.utils import counters
 
     import shardfn as sf
@@ -63,7 +75,9 @@ def _train(kind: str, backend: str, steps: int = 3) -> dict:
 
     eager = train(step)
     sf.reset_comm_stats()
-    compiled_step = torch.compile(step, fullgraph=True, backend=backend)
+    recorder = torch._dynamo.testing.AotEagerAndRecordGraphs() if backend == "aot_eager" \
+        else backend  # aot_eager that keeps the graph: its collectives are counted
+    compiled_step = torch.compile(step, fullgraph=True, backend=recorder)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled = train(compiled_step)
@@ -83,6 +97,8 @@ def _train(kind: str, backend: str, steps: int = 3) -> dict:
             "graphs": counters["stats"]["unique_graphs"],
             "recompiles": sum(counters["recompiles"].values()),
             "stats_bytes": sf.comm_stats().total_bytes, "refused": refused,
+            "collectives": collectives(recorder.fw_graphs[0]) if recorder is not backend
+            else None,
             "warned": sorted(str(w.message).split(" ")[0] for w in caught
                              if "torch.compile" in str(w.message))}
 
@@ -97,6 +113,11 @@ def test_compiled_step_is_one_graph_and_bitwise_eager(worlds, kind):
         assert got["stats_bytes"] == 0
         assert got["warned"] == ["sf.comm_stats()", "shardfn"], got
         assert got["refused"] is (True if kind.startswith("zero") else None), got
+        if kind.startswith("zero"):  # on gloo each bucket's reduce-scatter and all-gather are
+            # one all-to-all (gloo's reduce_scatter_tensor is an all-reduce: twice the bytes)
+            calls = got["collectives"]
+            assert set(calls) == {"all_to_all_single"} and calls["all_to_all_single"] % 2 == 0 \
+                and calls["all_to_all_single"] >= 4, got  # bucket_bytes=256: several buckets
 
 
 @pytest.mark.inductor

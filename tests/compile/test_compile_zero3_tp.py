@@ -6,10 +6,11 @@ checks: one graph, no recompile, and parameters and optimizer state bitwise equa
 to eager (``aot_eager``) or within float32 round-off (inductor's C++ kernels).
 
 * ZeRO-3 (``shard_params``, 2 ranks; HSDP on {"rep": 2, "dp": 2}): leaves with uneven
-  rows (zero padding), a 0-dim parameter (replicated, psum backward) and a buffer, in
-  units and the root; the compiled path gathers with the functional collectives and
-  reduce-scatters in backward (``shard_params/compiled.py``), the eager one point to
-  point.
+  rows (zero padding), a 0-dim parameter (replicated, psum backward), a buffer and (2
+  ranks) an ``ignored_params`` leaf, in units and the root; the compiled path gathers
+  with the functional collectives and reduce-scatters in backward
+  (``shard_params/compiled.py``), one of each per unit (its flat buffer; counted in the
+  graph), the eager one point to point.
 * TP with sequence parallelism (``tensor_split``, GPT, 2 ranks): the LayerNorms and
   the position embedding enter through ``sf.pvary`` straight from the differentiated
   tree, whose psum in backward a compiled step must keep (it once did not).
@@ -25,6 +26,8 @@ import os
 import pytest
 import torch
 from torch import nn
+
+from tests.compile.test_compile_dp import collectives
 
 
 class _Net(nn.Module):
@@ -60,7 +63,8 @@ def _case(kind: str):
     if kind in ("zero3", "hsdp"):
         mesh = sf.Mesh({"dp": 2} if kind == "zero3" else {"rep": 2, "dp": 2})
         model = sf.shard_params(sf.functional(_Net()), mesh, "dp", units=["inner"],
-                                replicate_axis=None if kind == "zero3" else "rep")
+                                replicate_axis=None if kind == "zero3" else "rep",
+                                ignored_params=["out.weight"] if kind == "zero3" else None)
         rank = mesh.index("dp") if kind == "zero3" else mesh.index(("rep", "dp"))
         gen = torch.Generator().manual_seed(1 + rank)
         batches = [(torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen))
@@ -85,6 +89,7 @@ def _case(kind: str):
 def _train(kind: str, backend: str) -> dict:
     """On each rank: eager and compiled training of ``kind``; what the tests compare."""
     import torch._dynamo
+    import torch._dynamo.testing
     from torch._dynamo.utils import counters
 
     import shardfn as sf
@@ -111,14 +116,18 @@ def _train(kind: str, backend: str) -> dict:
         return params, state, losses
 
     eager = train(step)
-    compiled = train(torch.compile(step, fullgraph=True, backend=backend))
+    recorder = torch._dynamo.testing.AotEagerAndRecordGraphs() if backend == "aot_eager" \
+        else backend  # aot_eager that keeps the graph: its collectives are counted
+    compiled = train(torch.compile(step, fullgraph=True, backend=recorder))
     pairs = list(zip(sf.pytree.tree_leaves(eager), sf.pytree.tree_leaves(compiled), strict=True))
     return {"bitwise": all(torch.equal(a, b) for a, b in pairs),
             "max_diff": max((a.double() - b.double()).abs().max().item() for a, b in pairs
                             if a.is_floating_point() and a.numel()),
             "moved": not all(torch.equal(eager[0][n], params0[n]) for n in params0),
             "graphs": counters["stats"]["unique_graphs"],
-            "recompiles": sum(counters["recompiles"].values())}
+            "recompiles": sum(counters["recompiles"].values()),
+            "collectives": collectives(recorder.fw_graphs[0]) if recorder is not backend
+            else None}
 
 
 @pytest.mark.parametrize(("kind", "ranks"), [("zero3", 2), ("tp_sp", 2), ("fsdp_tp", 4),
@@ -128,6 +137,10 @@ def test_compiled_step_is_one_graph_and_bitwise_eager(worlds, kind, ranks):
         assert got["moved"], (rank, got)
         assert got["graphs"] == 1 and got["recompiles"] == 0, (rank, got)
         assert got["bitwise"], (rank, got)
+    if kind == "zero3":  # one all-gather and one reduce-scatter per unit (root, "inner"), not
+        # per leaf (9 trainable sharded leaves), each an all-to-all on gloo; the psum of `scale`;
+        # nothing for the ignored `out.weight` (held whole, its gradient not reduced)
+        assert got["collectives"] == {"all_to_all_single": 4, "all_reduce": 1}, got
 
 
 @pytest.mark.inductor

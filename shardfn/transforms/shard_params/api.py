@@ -204,9 +204,6 @@ class ShardedModel(FunctionalNames):
             >>> shards = {**shards, **buffers}
         """
         if torch.compiler.is_compiling():  # one traceable path, same numbers: compiled.py
-            if self.ignored_params:  # (compiled.py gathers every leaf of dim >= 1)
-                raise NotImplementedError("shard_params(..., ignored_params=...) runs in "
-                                          "eager steps only (docs/compile.md)")
             return compiled_apply(self, shards, args, kwargs, mutable)
         self.check(shards)
         refuse_differentiated_state(shards, self.functional.buffer_names,

@@ -8,11 +8,16 @@ torchtitan's SimpleFSDP does: every sharded leaf enters the model through
 :class:`GatherLeaf`, an ``autograd.Function`` over the functional collectives whose
 forward all-gathers the leaf's shard over the axis (cutting the padding) and whose
 backward reduce-scatters its gradient (then sums it over the HSDP replica axis) with
-the eager path's divisions, so the numbers are the eager ones. 0-dim parameters enter
-through :class:`ReduceReplicated` (identity forward, psum backward); buffers as they
-are. The whole model then runs once on the full leaves (``functional.apply``); units
-do not matter for the values, and the compiler places, buckets and overlaps the
-collectives (what SimpleFSDP leaves to it too).
+the eager path's divisions, so the numbers are the eager ones. The trainable sharded
+leaves of each unit go through one :class:`GatherLeaf` together, as the unit's flat
+buffer (``Unit.scatter``): one all-gather and one reduce-scatter per unit and dtype,
+not per leaf (on gloo each an all-to-all, :mod:`shardfn.primitives._comm_traced`).
+0-dim parameters enter through :class:`ReduceReplicated` (identity forward, psum
+backward); buffers and ``ignored_params`` as they are (an ignored leaf's gradient is
+not reduced, as in eager steps). The whole model then runs once on the full leaves
+(``functional.apply``); units do not matter for the values (they only bucket the
+collectives), and the compiler places and overlaps the collectives (what SimpleFSDP
+leaves to it too).
 
 Buffers and frozen parameters enter detached: the eager path refuses to differentiate
 them (``refuse_differentiated_state``, which reads functorch internals no compiler
@@ -34,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -41,8 +47,9 @@ import torch
 
 from shardfn.primitives import _comm
 from shardfn.primitives._comm import Axis
+from shardfn.primitives._comm_traced import all_gather_flat, psum_scatter_flat
 from shardfn.primitives.reduce_scaling import divide_factors
-from shardfn.transforms.shard_params.plan import Plan
+from shardfn.transforms.shard_params.plan import Flat, Plan
 
 __all__ = ["GatherLeaf", "LeafReduce", "ReduceReplicated", "compiled_apply", "refuse_options"]
 
@@ -86,7 +93,8 @@ class GatherLeaf(torch.autograd.Function):
 
     @staticmethod
     def forward(shard: torch.Tensor, how: LeafReduce) -> torch.Tensor:
-        full = _comm.all_gather(shard, how.ax, 0)
+        full = all_gather_flat(shard.reshape(-1), how.ax).view(how.ax.size * shard.shape[0],
+                                                               *shard.shape[1:])
         return full[:how.rows] if full.shape[0] != how.rows else full
 
     @staticmethod
@@ -102,7 +110,8 @@ class GatherLeaf(torch.autograd.Function):
             grad = torch.cat([grad, grad.new_zeros((pad, *grad.shape[1:]))])
 
         def reduce(g: torch.Tensor) -> torch.Tensor:
-            out = _comm.psum_scatter(g, how.ax, 0)
+            out = psum_scatter_flat(g.reshape(-1), how.ax).view(g.shape[0] // how.ax.size,
+                                                           *g.shape[1:])
             if how.replicate_ax is not None and how.replicate_ax.size > 1:
                 out = _comm.psum(out, how.replicate_ax)
             return out
@@ -141,8 +150,35 @@ def refuse_options(model: Any) -> None:
                 "(docs/compile.md)")
 
 
+def _gathered_flat(flat: Flat, shards: Mapping[str, torch.Tensor], how: LeafReduce
+                   ) -> Params:
+    """The full leaves of one of a unit's flat buffers, moved by one :class:`GatherLeaf`.
+
+    The shards go end to end (``flat.offsets``) into this rank's chunk; the gathered
+    ``(ranks, chunk)`` buffer holds every rank's chunk, and leaf ``i`` is its columns
+    ``offsets[i]:offsets[i] + size``, rows in rank order, cut to the leaf's rows. In
+    backward the gradients land in those columns (zeros in the padding) and the whole
+    buffer is reduce-scattered once: per element the sums and divisions of the per-leaf
+    path, so the same numbers.
+    """
+    ranks = how.ax.size
+    local = torch.cat([shards[name].reshape(-1) for name in flat.names])
+    full = GatherLeaf.apply(local, how._replace(rows=ranks * flat.chunk)).view(ranks, flat.chunk)
+    out: Params = {}
+    for name, shape, local_shape, at in zip(flat.names, flat.shapes, flat.local_shapes,
+                                            flat.offsets, strict=True):
+        leaf = full[:, at:at + math.prod(local_shape)].reshape(ranks * local_shape[0],
+                                                               *local_shape[1:])
+        out[name] = leaf[:shape[0]] if leaf.shape[0] != shape[0] else leaf
+    return out
+
+
 def full_leaves(plan: Plan, shards: Mapping[str, torch.Tensor]) -> Params:
     """Every leaf at full size: sharded ones gathered, the rest entered as they are.
+
+    The trainable sharded leaves of each unit move as the unit's flat buffers
+    (``Unit.scatter``: one all-gather, and in backward one reduce-scatter, per unit and
+    dtype, as the eager path moves them); frozen sharded leaves one by one.
 
     Args:
         plan: the model's plan.
@@ -152,22 +188,31 @@ def full_leaves(plan: Plan, shards: Mapping[str, torch.Tensor]) -> Params:
         ``name -> full tensor``, differentiable w.r.t. the shards (see :class:`GatherLeaf`).
     """
     count, mean = plan.all_ax.size, plan.grad_reduce == "mean"
+    bucket = LeafReduce(plan.ax, plan.replicate_ax, count, mean, 0)
     out: Params = {}
+    for unit in (*plan.units, plan.root):
+        for flat in unit.scatter:
+            out.update(_gathered_flat(flat, shards, bucket))
     for name in plan.names:
+        if name in out:
+            continue
         x = shards[name]
         if name not in plan.trainable_set:  # buffers and frozen: no gradient (see below)
             x = x.detach()
         if name in plan.buffer_set:
             out[name] = x.clone()  # private copies, as FunctionalModel.apply gives
             continue
+        if name in plan.ignored:  # held whole: used as given, its gradient unreduced
+            out[name] = x
+            continue
         rows = plan.specs[name].shape[0] if x.dim() else 0
-        how = LeafReduce(plan.ax, plan.replicate_ax, count, mean, rows)
+        how = bucket._replace(rows=rows)
         # through a view: dynamo (torch 2.13) fails on an autograd.Function applied to a
         # tensor torch.func differentiates directly (its collective sees the grad wrapper)
         x = x.view_as(x)
         out[name] = GatherLeaf.apply(x, how) if x.dim() else \
             ReduceReplicated.apply(x, how, plan.all_ax)
-    return out
+    return {name: out[name] for name in plan.names}
 
 
 def compiled_apply(model: Any, shards: Mapping[str, torch.Tensor], args: tuple,
