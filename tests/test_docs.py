@@ -13,6 +13,8 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -50,11 +52,34 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("page", _pages(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_page_examples_run(page, tmp_path):
-    script = tmp_path / (page.stem + "_examples.py")
+#: pages run two at a time: most of a page's time is interpreters and ranks starting
+#: (imports) and ranks waiting on each other, which a second page fills
+CONCURRENT_PAGES = 2
+
+
+def _run_page(page: Path, folder: Path) -> subprocess.CompletedProcess:
+    script = folder / (page.stem + "_examples.py")
     script.write_text(page_script(page.read_text()))
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                            text=True, env=_env(), timeout=280)
+    return subprocess.run([sys.executable, str(script)], cwd=folder, capture_output=True,
+                          text=True, env=_env(), timeout=280)
+
+
+@pytest.fixture(scope="module")
+def page_runs(request, tmp_path_factory) -> Iterator[dict[Path, Future]]:
+    """The selected pages' runs, submitted in the tests' order to a pool of
+    :data:`CONCURRENT_PAGES`; each test waits for its own."""
+    pages = [item.callspec.params["page"] for item in request.session.items
+             if getattr(item, "originalname", None) == "test_page_examples_run"]
+    with ThreadPoolExecutor(CONCURRENT_PAGES) as pool:
+        runs = {page: pool.submit(_run_page, page, tmp_path_factory.mktemp(page.stem))
+                for page in pages}
+        yield runs
+        for run in runs.values():
+            run.cancel()
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_examples_run(page, page_runs):
+    result = page_runs[page].result()
     assert result.returncode == 0, (f"{page.relative_to(ROOT)}'s examples failed:\n"
                                     + result.stdout[-2000:] + result.stderr[-4000:])
