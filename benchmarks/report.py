@@ -98,7 +98,8 @@ TARGETS = (
     *(Target("dp", f"data_parallel {what} within 5% of DDP", f"data_parallel ({what})",
              "ratio to ddp", "<=", 1.05)
       for what in ("torch.func, donated", "torch.func, no donation", "autograd overlap, donated",
-                   "sf.grad_and_value, donated")),
+                   "sf.grad_and_value, donated", "dp.grad_and_value, overlapped, donated",
+                   "dp.grad_and_value, overlapped, no donation")),
     Target("scaling", "memory per rank = ZeRO formula (padding aside), every strategy and N",
            "", "ratio", "<=", 1.02),
     Target("tp", "tensor_split no slower than torch parallelize_module (autograd step)",
