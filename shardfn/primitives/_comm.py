@@ -125,14 +125,19 @@ def all_gather(x: torch.Tensor, ax: Axis, dim: int) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()  # a row-major result, as torch.cat gives
 
 
-@_complex_as_real
-def psum_scatter(x: torch.Tensor, ax: Axis, dim: int) -> torch.Tensor:
-    """Sum ``x`` over the axis and keep this rank's block of ``dim``."""
+def _check_scatter_dim(x: torch.Tensor, ax: Axis, dim: int) -> None:
+    """Refuse a psum_scatter whose ``dim`` the axis does not divide."""
     if x.shape[dim] % ax.size:
         raise ValueError(
             f"psum_scatter over axis {ax.key!r} needs dim {dim} (size {x.shape[dim]}) "
             f"divisible by the axis size {ax.size}; pad it first (sf.shard pads for you)"
         )
+
+
+@_complex_as_real
+def psum_scatter(x: torch.Tensor, ax: Axis, dim: int) -> torch.Tensor:
+    """Sum ``x`` over the axis and keep this rank's block of ``dim``."""
+    _check_scatter_dim(x, ax, dim)
     if ax.size == 1:
         return x.clone()
     moved = x.movedim(dim, 0).contiguous()
@@ -276,11 +281,7 @@ def psum_scatter_start(x: torch.Tensor, ax: Axis, dim: int) -> Pending:
     Example:
         >>> grad_shard = wait(psum_scatter_start(full_grad, ax, 0))
     """
-    if x.shape[dim] % ax.size:
-        raise ValueError(
-            f"psum_scatter over axis {ax.key!r} needs dim {dim} (size {x.shape[dim]}) "
-            f"divisible by the axis size {ax.size}; pad it first (sf.shard pads for you)"
-        )
+    _check_scatter_dim(x, ax, dim)
     if ax.size == 1:
         return Pending(x.clone(), "", 0, False, True)
     return _start(x, ax, "psum_scatter", _nbytes(x) * (ax.size - 1) / ax.size, dim,
