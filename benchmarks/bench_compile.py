@@ -40,6 +40,7 @@ Run (2 CPU ranks):
     .venv/bin/python benchmarks/bench_compile.py --systems pmean zero3
     .venv/bin/python benchmarks/bench_compile.py --backend aot_eager     # no code generation
     .venv/bin/python benchmarks/bench_compile.py --systems zero1 zero3 --profile   # + top ops
+    .venv/bin/python benchmarks/bench_compile.py --systems zero1 zero3 tp-sp --overlap  # + options
     .venv/bin/python benchmarks/bench_compile.py --device cuda --world 1 # one GPU (NCCL group of 1)
 """
 
@@ -67,6 +68,7 @@ from _common import BenchOutput, Registry, Result, System, machine_info, max_ove
 
 SYSTEMS = Registry()
 COMPILED = "+compiled"  # suffix of a compiled system's key
+OVERLAP = "+overlap"  # suffix of a compiled system's key with sf.overlap_options()
 
 
 class Variant(NamedTuple):
@@ -315,8 +317,10 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def pure_system(ctx: Context, variant: Variant, compiled: bool) -> System:
-    """``variant``'s step as a :class:`System`, eager or compiled.
+def pure_system(ctx: Context, variant: Variant, compiled: bool,
+                overlap: bool = False) -> System:
+    """``variant``'s step as a :class:`System`, eager or compiled (``overlap``: with
+    ``sf.overlap_options()``, inductor only).
 
     A compiled step is compiled by its first call, in the first (unmeasured) round, once
     every system is built, on copies of the initial state: its time is ``compile s``.
@@ -325,12 +329,15 @@ def pure_system(ctx: Context, variant: Variant, compiled: bool) -> System:
     _FLAGGED``), which makes every compiled step recompile, and the benchmark should not
     cause that itself.
     """
-    key = variant.key + (COMPILED if compiled else "")
+    key = variant.key + (COMPILED + (OVERLAP if overlap else "") if compiled else "")
     pure = variant.build(ctx)
     ctx.keep.append(pure)
     fn = pure.step
     if compiled:
-        fn = torch.compile(pure.step, fullgraph=True, dynamic=False, backend=ctx.backend)
+        import shardfn as sf
+
+        fn = torch.compile(pure.step, fullgraph=True, dynamic=False, backend=ctx.backend,
+                           options=sf.overlap_options() if overlap else None)
     holder = {"params": pure.params, "state": pure.state, "compiled": not compiled}
 
     def compile_now() -> None:
@@ -362,12 +369,13 @@ def pure_system(ctx: Context, variant: Variant, compiled: bool) -> System:
 
 def _register() -> None:
     for variant in VARIANTS:
-        for compiled in (False, True):
-            key = variant.key + (COMPILED if compiled else "")
-            label = f"{variant.label}, {'compiled' if compiled else 'eager'}"
-            SYSTEMS.register(key, label, default=variant.default)(
-                lambda ctx, variant=variant, compiled=compiled: pure_system(ctx, variant,
-                                                                            compiled))
+        for compiled, overlap in ((False, False), (True, False), (True, True)):
+            key = variant.key + (COMPILED + (OVERLAP if overlap else "") if compiled else "")
+            how = ("compiled, overlap options" if overlap else "compiled") if compiled \
+                else "eager"
+            SYSTEMS.register(key, f"{variant.label}, {how}", default=variant.default)(
+                lambda ctx, variant=variant, compiled=compiled, overlap=overlap:
+                pure_system(ctx, variant, compiled, overlap))
 
 
 _register()
@@ -397,9 +405,11 @@ def setup_torch_tp(ctx: Context) -> System:
 # ----------------------------------------------------------------------------- running
 
 
-def system_keys(variants: list[str], peers: bool) -> list[str]:
-    """The systems to run: each variant eager then compiled, then the peers they need."""
-    keys = [k for v in variants for k in (v, v + COMPILED)]
+def system_keys(variants: list[str], peers: bool, overlap: bool = False) -> list[str]:
+    """The systems to run: each variant eager then compiled (then compiled with the overlap
+    options), then the peers they need."""
+    keys = [k for v in variants
+            for k in (v, v + COMPILED, *([v + COMPILED + OVERLAP] if overlap else []))]
     if peers:
         keys += list(dict.fromkeys(BY_KEY[v].peer for v in variants))
     return keys
@@ -448,7 +458,7 @@ def rank_main(args: argparse.Namespace) -> RankOutput:
     ctx = Context(args)
     log = (lambda msg: print(msg, flush=True)) if ctx.rank == 0 else (lambda msg: None)
     t0 = time.perf_counter()
-    keys = system_keys(args.systems, not args.no_peers)
+    keys = system_keys(args.systems, not args.no_peers, args.overlap)
     results = run_interleaved(ctx, SYSTEMS, keys, warmup=args.warmup, steps=args.steps,
                               reference=None, log=log)
     ok = {r.key for r in results if r.error is None and r.times_s}
@@ -533,12 +543,15 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 HEADER = ["step", "peer", "eager ms", "compiled ms", "compiled / eager", "eager / peer",
           "compiled / peer", "compile s", "recompiles", "max rel diff compiled vs eager"]
+OVERLAP_HEADER = ["overlap options ms", "overlap / compiled"]
 
 
-def table(variants: list[str], out: RankOutput) -> str:
-    """The markdown table: one row per variant (medians of rank 0's step times)."""
+def table(variants: list[str], out: RankOutput, overlap: bool = False) -> str:
+    """The markdown table: one row per variant (medians of rank 0's step times); with
+    ``overlap`` two more columns: the step compiled with ``sf.overlap_options()``."""
     by_key = {r.key: r for r in out.results}
-    lines = ["| " + " | ".join(HEADER) + " |", "|---|---|" + "---:|" * (len(HEADER) - 2)]
+    header = HEADER + (OVERLAP_HEADER if overlap else [])
+    lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
     for key in variants:
         variant = BY_KEY[key]
         eager = _cells(by_key.get(key), False)
@@ -553,8 +566,16 @@ def table(variants: list[str], out: RankOutput) -> str:
             _ratio(compiled.median, peer.median),
             f"{seconds:.1f}" if seconds >= 0 and compiled.median else "—",
             str(recompiles) if recompiles >= 0 and compiled.median else "—",
-            "—" if diff is None else f"{diff:.1e}"]) + " |")
+            "—" if diff is None else f"{diff:.1e}",
+            *_overlap_cells(by_key.get(key + COMPILED + OVERLAP), compiled, overlap)]) + " |")
     return "\n".join(lines)
+
+
+def _overlap_cells(result: Result | None, compiled: Cells, overlap: bool) -> list[str]:
+    if not overlap:
+        return []
+    cells = _cells(result, True)
+    return [cells.text, _ratio(cells.median, compiled.median)]
 
 
 # ----------------------------------------------------------------------------- driver
@@ -574,6 +595,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"rows, in table order (all: {list(BY_KEY)}); each runs eager "
                              "and compiled")
     parser.add_argument("--no-peers", action="store_true", help="leave out DDP / torch TP")
+    parser.add_argument("--overlap", action="store_true",
+                        help="each row also compiled with sf.overlap_options() (inductor's "
+                             "compute/communication reordering passes): two more columns")
     parser.add_argument("--quick", action="store_true", help="tiny models, 1+3 steps")
     parser.add_argument("--profile", action="store_true",
                         help="then one more step of every system under torch.profiler: "
@@ -592,6 +616,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if "tp-sp" in args.systems:
             args.systems = [k for k in args.systems if k != "tp-sp"]
             print("note: the TP row runs on CPU only; left out on --device cuda", flush=True)
+    if args.overlap and args.backend != "inductor":
+        parser.error("--overlap sets inductor options: --backend inductor only")
     if args.quick:
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
     args.warmup = max(args.warmup, 1)  # the compiling call is in the first round
@@ -623,7 +649,7 @@ def main(argv: list[str] | None = None) -> None:
         with local_world(args.world, timeout=900.0, check=False) as world:
             output = world.run(rank_main, args)[0]
     print()
-    out.table(table(args.systems, output),
+    out.table(table(args.systems, output, args.overlap),
               "Each pure step eager and compiled (median step time on rank 0, between "
               "barriers), their ratio, each against its torch peer (eager), the compiling "
               "call's time (left out of the medians), graphs compiled after it, and the "

@@ -12,6 +12,7 @@ from shardfn._functional_grad import grad_and_value
 from shardfn.functional import FunctionalModel, ShapeDtype, functional
 from shardfn.mesh import Mesh, get_mesh, set_mesh
 from shardfn.model import Model
+from shardfn.overlap import overlap_options
 from shardfn.primitives import (
     CommStats,
     all_gather,
@@ -171,6 +172,7 @@ __all__ = [
     "memory",
     "models",
     "optim",
+    "overlap_options",
     "pmean",
     "pmean_invariant",
     "ppermute",

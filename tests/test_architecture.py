@@ -208,7 +208,7 @@ def test_no_import_cycles():
 #: ``__init__``, the public API on top)
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundations", ("shardfn._torch_internals", "shardfn.pytree", "shardfn.mesh",
-                     "shardfn.log")),
+                     "shardfn.log", "shardfn.overlap")),
     ("collectives", ("shardfn.primitives", "shardfn.distributed")),
     ("specs", ("shardfn.spec",)),
     ("models and memory", ("shardfn.functional", "shardfn._functional_init", "shardfn.models",

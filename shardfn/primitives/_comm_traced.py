@@ -17,12 +17,18 @@ nothing of it is in the graph. Like :mod:`._comm`'s ops they count in
 ``sf.comm_stats()`` in eager code (the same op names and bytes) and not in traced
 code (warned once).
 
+``*_flat_start`` and :func:`wait_flat` split each into the issue and the wait, so a
+step can put every issue before the first wait (what lets inductor overlap them with
+compute, docs/compile.md "Overlap").
+
 Example:
     >>> mine = psum_scatter_flat(flat, ax)      # flat.numel() == ax.size * k: k summed values
     >>> full = all_gather_flat(mine, ax)        # ax.size * k values, rank order
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +38,8 @@ from shardfn._torch_internals import constant_result, process_groups
 from shardfn.primitives import _comm
 from shardfn.primitives._comm import Axis
 
-__all__ = ["all_gather_flat", "psum_scatter_flat"]
+__all__ = ["FlatPending", "all_gather_flat", "all_gather_flat_start", "psum_scatter_flat",
+           "psum_scatter_flat_start", "wait_flat"]
 
 
 @constant_result
@@ -53,6 +60,94 @@ def _blocks(x: torch.Tensor, ax: Axis) -> list[int]:
     return [x.numel() // ax.size] * ax.size
 
 
+class FlatPending(NamedTuple):
+    """A flat collective issued by a ``*_flat_start`` function; :func:`wait_flat` finishes it.
+
+    Attributes:
+        pending: the issued collective (:class:`shardfn.primitives._comm.Pending`).
+        blocks: 0, or (an all-to-all reduce-scatter) how many received blocks to add, in
+            axis order, after the wait.
+    """
+
+    pending: _comm.Pending
+    blocks: int
+
+
+def psum_scatter_flat_start(x: torch.Tensor, ax: Axis) -> FlatPending:
+    """Issue :func:`psum_scatter_flat`; :func:`wait_flat` gives this rank's summed block.
+
+    Issue every bucket of a step before waiting for the first one: inductor then runs
+    each collective while the compute that does not need its result goes on
+    (docs/compile.md, "Overlap").
+
+    Args:
+        x: a 1-D tensor of ``ax.size`` equal blocks.
+        ax: the axis.
+
+    Returns:
+        A :class:`FlatPending`; ``wait_flat(...)`` equals ``psum_scatter_flat(x, ax)``.
+
+    Example:
+        >>> issued = [psum_scatter_flat_start(b, ax) for b in buckets]
+        >>> mine = [wait_flat(p) for p in issued]
+    """
+    split = _blocks(x, ax)
+    if ax.size == 1 or x.is_complex() or not _pairwise(ax.group_name, x.device.type):
+        return FlatPending(_comm.psum_scatter_start(x, ax, 0), 0)
+    moved = _comm._issue(ax, "psum_scatter", _comm._nbytes(x) * (ax.size - 1) / ax.size,
+                         lambda: _ops.all_to_all_single(x.contiguous(), split, split,
+                                                        ax.group_name))
+    return FlatPending(_comm.Pending(moved, ax.describe("psum_scatter"), 0, False, False),
+                       ax.size)
+
+
+def all_gather_flat_start(x: torch.Tensor, ax: Axis) -> FlatPending:
+    """Issue :func:`all_gather_flat`; :func:`wait_flat` gives every rank's ``x``.
+
+    Args:
+        x: this rank's 1-D block (the same size on every rank).
+        ax: the axis.
+
+    Returns:
+        A :class:`FlatPending`; ``wait_flat(...)`` equals ``all_gather_flat(x, ax)``.
+
+    Example:
+        >>> issued = [all_gather_flat_start(u, ax) for u in units]   # all in flight
+    """
+    if x.dim() != 1:
+        raise ValueError(f"{ax.describe('flat all_gather')}: needs a 1-D tensor, got shape "
+                         f"{tuple(x.shape)}")
+    if ax.size == 1 or x.is_complex() or not _pairwise(ax.group_name, x.device.type):
+        return FlatPending(_comm.all_gather_start(x, ax, 0), 0)
+    copies = x.expand(ax.size, x.numel()).reshape(-1)  # block j goes to rank j
+    split = [x.numel()] * ax.size
+    moved = _comm._issue(ax, "all_gather", _comm._nbytes(x) * (ax.size - 1),
+                         lambda: _ops.all_to_all_single(copies, split, split, ax.group_name))
+    return FlatPending(_comm.Pending(moved, ax.describe("all_gather"), 0, False, False), 0)
+
+
+def wait_flat(issued: FlatPending) -> torch.Tensor:
+    """Wait for a flat collective and finish it (an all-to-all reduce-scatter adds its blocks).
+
+    Args:
+        issued: what :func:`psum_scatter_flat_start` or :func:`all_gather_flat_start` gave.
+
+    Returns:
+        The collective's 1-D result.
+
+    Example:
+        >>> full = wait_flat(all_gather_flat_start(mine, ax))
+    """
+    got = _comm.wait(issued.pending)
+    if issued.blocks <= 1:
+        return got
+    pieces = got.unflatten(0, (issued.blocks, -1)).unbind(0)
+    out = pieces[0]
+    for piece in pieces[1:]:  # axis order: on 2 ranks the eager exchange's very sum
+        out = out + piece
+    return out
+
+
 def psum_scatter_flat(x: torch.Tensor, ax: Axis) -> torch.Tensor:
     """Block ``ax.index`` of the sum over the axis of every rank's 1-D ``x``.
 
@@ -67,17 +162,7 @@ def psum_scatter_flat(x: torch.Tensor, ax: Axis) -> torch.Tensor:
     Example:
         >>> psum_scatter_flat(torch.arange(4.0), ax)   # on 2 ranks, rank 1: tensor([4., 6.])
     """
-    split = _blocks(x, ax)
-    if ax.size == 1 or x.is_complex() or not _pairwise(ax.group_name, x.device.type):
-        return _comm.psum_scatter(x, ax, 0)
-    got = _comm._issue(ax, "psum_scatter", _comm._nbytes(x) * (ax.size - 1) / ax.size,
-                       lambda: _ops.wait_tensor(_ops.all_to_all_single(
-                           x.contiguous(), split, split, ax.group_name)))
-    pieces = got.unflatten(0, (ax.size, split[0])).unbind(0)
-    out = pieces[0]
-    for piece in pieces[1:]:
-        out = out + piece
-    return out
+    return wait_flat(psum_scatter_flat_start(x, ax))
 
 
 def all_gather_flat(x: torch.Tensor, ax: Axis) -> torch.Tensor:
@@ -93,13 +178,4 @@ def all_gather_flat(x: torch.Tensor, ax: Axis) -> torch.Tensor:
     Example:
         >>> all_gather_flat(torch.tensor([float(rank)]), ax)   # 2 ranks: tensor([0., 1.])
     """
-    if x.dim() != 1:
-        raise ValueError(f"{ax.describe('flat all_gather')}: needs a 1-D tensor, got shape "
-                         f"{tuple(x.shape)}")
-    if ax.size == 1 or x.is_complex() or not _pairwise(ax.group_name, x.device.type):
-        return _comm.all_gather(x, ax, 0)
-    copies = x.expand(ax.size, x.numel()).reshape(-1)  # block j goes to rank j
-    split = [x.numel()] * ax.size
-    return _comm._issue(ax, "all_gather", _comm._nbytes(x) * (ax.size - 1),
-                        lambda: _ops.wait_tensor(_ops.all_to_all_single(
-                            copies, split, split, ax.group_name)))
+    return wait_flat(all_gather_flat_start(x, ax))

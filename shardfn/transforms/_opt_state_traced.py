@@ -7,7 +7,9 @@ flat tensor of ``N`` blocks (block ``j``: the pieces rank ``j`` owns, padded to
 the bucket's block length) and moved by one functional collective
 (:mod:`shardfn.primitives._comm_traced`: on gloo an all-to-all, half the bytes of
 gloo's all-reduce-based reduce-scatter): a reduce-scatter for the gradients, an
-all-gather for the updates. The pieces,
+all-gather for the updates. Every bucket is issued before the first is waited for,
+so in a compiled step each one's collective runs while the backward (or the optimizer
+update) of the buckets still to come goes on (docs/compile.md, "Overlap"). The pieces,
 their owners, the sum (this rank's value plus the other's, on 2 ranks the very
 same additions) and the divisions are the eager ones, so the results are too.
 
@@ -27,7 +29,12 @@ from typing import Any
 
 import torch
 
-from shardfn.primitives._comm_traced import all_gather_flat, psum_scatter_flat
+from shardfn.primitives._comm_traced import (
+    FlatPending,
+    all_gather_flat_start,
+    psum_scatter_flat_start,
+    wait_flat,
+)
 from shardfn.primitives.flat import FlatPartition, piece_divisors
 
 __all__ = ["all_gather_traced", "reduce_scatter_traced"]
@@ -74,8 +81,8 @@ def reduce_scatter_traced(part: FlatPartition, flats: list[torch.Tensor], frozen
         One 1-D tensor per leaf: its pieces owned by this rank, in bucket order.
     """
     dtypes = [f.dtype for f in flats]
-    parts: list[list[torch.Tensor]] = [[] for _ in flats]
-    for b, plan in enumerate(part.plans):
+    issued: list[tuple[int, FlatPending]] = []
+    for b, plan in enumerate(part.plans):  # every bucket in flight before the first wait
         dtype = _bucket_dtype(part, b, dtypes, frozen)
         if dtype is None:
             continue
@@ -83,7 +90,11 @@ def reduce_scatter_traced(part: FlatPartition, flats: list[torch.Tensor], frozen
         for pieces in plan.blocks:
             blocks += _padded([flats[leaf][lo:hi] for leaf, lo, hi in pieces
                                if leaf not in frozen], plan.block, flats[0], dtype)
-        mine = psum_scatter_flat(torch.cat(blocks), ax)
+        issued.append((b, psum_scatter_flat_start(torch.cat(blocks), ax)))
+    parts: list[list[torch.Tensor]] = [[] for _ in flats]
+    for b, pending in issued:
+        plan = part.plans[b]
+        mine = wait_flat(pending)
         divisors = (piece_divisors(plan, ax.index, divide) if isinstance(divide, list)
                     else [divide] * len(plan.blocks[ax.index]))
         at = 0
@@ -119,15 +130,19 @@ def all_gather_traced(part: FlatPartition, local_leaves: list[torch.Tensor],
         One tensor per leaf, shaped like its parameter.
     """
     dtypes = [p.dtype for p in param_leaves]
-    segments: list[list[torch.Tensor]] = [[] for _ in param_leaves]
-    for b, plan in enumerate(part.plans):
+    issued: list[tuple[int, FlatPending]] = []
+    for b, plan in enumerate(part.plans):  # every bucket in flight before the first wait
         dtype = _bucket_dtype(part, b, dtypes, frozen)
         if dtype is None:
             continue
         own = _padded([local_leaves[leaf][at:at + hi - lo] for (leaf, lo, hi), at
                        in zip(plan.blocks[ax.index], part.local_slots[b], strict=True)
                        if leaf not in frozen], plan.block, param_leaves[0], dtype)
-        gathered = all_gather_flat(torch.cat(own).to(dtype), ax)
+        issued.append((b, all_gather_flat_start(torch.cat(own).to(dtype), ax)))
+    segments: list[list[torch.Tensor]] = [[] for _ in param_leaves]
+    for b, pending in issued:
+        plan = part.plans[b]
+        gathered = wait_flat(pending)
         for j, pieces in enumerate(plan.blocks):
             at = j * plan.block
             for leaf, lo, hi in pieces:

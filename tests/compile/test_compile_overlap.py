@@ -13,9 +13,58 @@ inductor within round-off).
 
 from __future__ import annotations
 
+import pytest
 
-def _scheduled_order() -> list[str]:
-    """On each rank: the kinds of inductor's scheduled nodes for a compiled dp step."""
+
+def _step(kind: str):
+    """``(step, args)`` of this rank for ``kind``: a grad_and_value + AdamW/SGD step."""
+    import torch
+
+    import shardfn as sf
+    from tests.compile.test_compile_zero3_tp import _case
+
+    if kind in ("zero3", "tp_sp"):
+        model, loss_fn, batches = _case(kind)
+        opt = sf.optim.adamw(1e-2)
+        params, rest = model.split_trainable(model.init(0))
+
+        def step(params, state, x, y):
+            loss, grads = torch.func.grad_and_value(
+                lambda p: loss_fn(model.merge(p, rest), x, y))(params)[::-1]
+            updates, state = opt.update(grads, state, params)
+            return sf.optim.apply_updates(params, updates), state, loss
+
+        return step, (params, opt.init(params), *batches[0])
+    mesh = sf.Mesh({"dp": 2})
+    width = 8 if kind == "dp" else 16
+    layers = [torch.nn.Linear(6, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
+              torch.nn.Tanh(), torch.nn.Linear(width, 3)]
+    model = sf.functional(torch.nn.Sequential(*(layers if kind != "dp"
+                                                else [layers[0], layers[1], layers[4]])))
+    params = model.init(0)
+    if kind == "dp":  # one bucket per leaf: 4 all-reduces
+        dp = sf.data_parallel(mesh, "dp", bucket_bytes=1)
+        opt = sf.optim.sgd(0.1)
+    else:  # several buckets, each a reduce-scatter and an all-gather
+        dp = None
+        opt = sf.shard_opt_state(sf.optim.adamw(1e-2), mesh, "dp",
+                                 shard_grads=kind == "zero2", bucket_bytes=512)
+
+    def step(params, state, x, y):
+        grads, loss = torch.func.grad_and_value(
+            lambda p: ((model.apply(p, x) - y) ** 2).mean())(params)
+        updates, state = opt.update(dp.reduce_grads(grads) if dp else grads, state, params)
+        return sf.optim.apply_updates(params, updates), state, loss
+
+    return step, (params, opt.init(params), torch.randn(64, 6), torch.randn(64, 3))
+
+
+def _scheduled_order(kind: str = "dp", overlap: bool = False) -> list[str]:
+    """On each rank: inductor's scheduled nodes for a compiled ``kind`` step, as tokens.
+
+    ``"I3"``: collective 3 issued, ``"W3"``: its wait, ``"m"``: a matmul, ``"."``: another
+    kernel. ``overlap``: compiled with ``sf.overlap_options()``.
+    """
     from unittest import mock
 
     import torch
@@ -32,39 +81,31 @@ def _scheduled_order() -> list[str]:
 
     order: list[str] = []
 
-    def kind(node) -> str:
-        if contains_collective(node):
-            return "issue"
-        if contains_wait(node):
-            return "wait"
-        name = getattr(node.node, "python_kernel_name", None) or ""
-        return "mm" if name.endswith(("mm", "addmm")) else "kernel"
-
     def capture(scheduler) -> None:
-        order.extend(kind(node) for node in scheduler.nodes)
+        issued: dict[str, int] = {}  # a collective's output buffer -> its number
+        for node in scheduler.nodes:
+            if contains_collective(node):
+                for buf in node.get_outputs():
+                    issued[buf.get_name()] = len(issued)
+                order.append(f"I{len(issued) - 1}")
+            elif contains_wait(node):
+                number = min(issued[dep.name] for dep in node.read_writes.reads
+                             if dep.name in issued)
+                order.append(f"W{number}")
+            else:
+                name = getattr(node.node, "python_kernel_name", None) or ""
+                order.append("m" if name.endswith(("mm", "addmm")) else ".")
         raise Scheduled
 
     torch._dynamo.reset()
-    mesh = sf.Mesh({"dp": 2})
-    model = sf.functional(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(),
-                                              torch.nn.Linear(8, 3)))
-    params = model.init(0)
-    dp = sf.data_parallel(mesh, "dp", bucket_bytes=1)  # one bucket per leaf: 4 all-reduces
-    opt = sf.optim.sgd(0.1)
-
-    def step(params, state, x, y):
-        grads, loss = torch.func.grad_and_value(
-            lambda p: ((model.apply(p, x) - y) ** 2).mean())(params)
-        updates, state = opt.update(dp.reduce_grads(grads), state, params)
-        return sf.optim.apply_updates(params, updates), state, loss
-
+    step, args = _step(kind)
     # no cache: a cached graph would skip the scheduler
     with mock.patch.object(Scheduler, "codegen", capture), \
             inductor_config.patch(fx_graph_cache=False, compile_threads=1), \
             functorch_config.patch(enable_autograd_cache=False):
         try:
-            torch.compile(step, fullgraph=True, backend="inductor")(
-                params, opt.init(params), torch.randn(4, 6), torch.randn(4, 3))
+            torch.compile(step, fullgraph=True, backend="inductor",
+                          options=sf.overlap_options() if overlap else None)(*args)
         except Exception as error:  # dynamo wraps what the backend raised
             cause: BaseException | None = error
             while cause is not None and not isinstance(cause, Scheduled):
@@ -75,15 +116,46 @@ def _scheduled_order() -> list[str]:
     return order
 
 
+def _matmuls_in_flight(order: list[str]) -> list[int]:
+    """Per collective (issue order): the matmuls scheduled between its issue and its wait."""
+    issued = {token[1:]: i for i, token in enumerate(order) if token.startswith("I")}
+    waited = {token[1:]: i for i, token in enumerate(order) if token.startswith("W")}
+    assert issued.keys() == waited.keys(), order
+    return [order[issued[n]:waited[n]].count("m") for n in sorted(issued, key=issued.get)]
+
+
 def test_all_reduces_are_in_flight_during_the_backward(worlds):
     for rank, order in enumerate(worlds(2).run(_scheduled_order)):
-        issues = [i for i, k in enumerate(order) if k == "issue"]
-        waits = [i for i, k in enumerate(order) if k == "wait"]
+        kinds = [token[0] for token in order]
+        issues = [i for i, k in enumerate(kinds) if k == "I"]
+        waits = [i for i, k in enumerate(kinds) if k == "W"]
         assert len(issues) == len(waits) == 4, (rank, order)
         # every bucket in flight at once: the first wait after the last issue ...
         assert waits[0] > issues[-1], (rank, order)
         # ... and backward matmuls run between the first issue and the first wait
-        assert order[issues[0]:waits[0]].count("mm") >= 2, (rank, order)
+        assert kinds[issues[0]:waits[0]].count("m") >= 2, (rank, order)
+
+
+@pytest.mark.parametrize("kind", ["zero1", "zero3", "tp_sp"])
+def test_sharded_steps_overlap_with_overlap_options(worlds, kind):
+    """With ``sf.overlap_options()`` collectives of the compiled ZeRO-1/2, ZeRO-3 and TP + SP
+    steps are in flight while matmuls run (ZeRO-1/2: reduce-scatters issued inside the
+    backward), more of them than with inductor's defaults, whose peak-memory reordering
+    puts most out-of-place collectives right before their waits (docs/compile.md,
+    "Overlap"). TP + SP with the defaults: none at all."""
+    for rank, (tuned, default) in enumerate(worlds(2).run(_both_orders, kind)):
+        flight, before = _matmuls_in_flight(tuned), _matmuls_in_flight(default)
+        assert sum(1 for n in flight if n > 0) >= 2, (rank, tuned)
+        assert sum(flight) > sum(before), (rank, tuned, default)
+        if kind.startswith("zero") and kind != "zero3":
+            first_issue = next(i for i, t in enumerate(tuned) if t.startswith("I"))
+            assert "m" in tuned[first_issue:], (rank, tuned)  # issued before the last matmul
+        if kind == "tp_sp":
+            assert sum(before) == 0, (rank, default)
+
+
+def _both_orders(kind: str) -> tuple[list[str], list[str]]:
+    return _scheduled_order(kind, overlap=True), _scheduled_order(kind, overlap=False)
 
 
 def _split_against_one_call() -> dict:

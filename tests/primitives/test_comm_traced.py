@@ -30,6 +30,17 @@ def _on_rank(blocks: list[int]) -> dict:
                            and torch.equal(full, _comm.all_gather(mine, ax, 0)))
         block = slice(ax.index * k, (ax.index + 1) * k)
         out["want"].append(torch.equal(mine, xs[0][block] + xs[1][block]))
+    # every block's collectives in flight at once (how the traced ZeRO steps issue them):
+    # each result is still its own
+    issued = [_comm_traced.psum_scatter_flat_start(x.repeat(2) if k else x, ax)
+              for k, x in zip(blocks, [torch.full((2 * k,), float(k + ax.index))
+                                       for k in blocks], strict=True)]
+    gathers = [_comm_traced.all_gather_flat_start(torch.full((k,), float(ax.index)), ax)
+               for k in blocks]
+    out["in_flight"] = [
+        torch.equal(_comm_traced.wait_flat(p), torch.full((2 * k if k else 0,), 2.0 * k + 1))
+        and torch.equal(_comm_traced.wait_flat(g), torch.arange(2.0).repeat_interleave(k))
+        for k, p, g in zip(blocks, issued, gathers, strict=True)]
     try:
         _comm_traced.psum_scatter_flat(torch.zeros(3), ax)
         out["refused"] = None
@@ -43,7 +54,7 @@ def _on_rank(blocks: list[int]) -> dict:
 def test_flat_collectives_equal_the_functional_ones_bitwise(worlds, blocks):
     for got in worlds(2).run(_on_rank, blocks):
         assert got["pairwise"], "the local world is gloo: the all-to-all path must run"
-        assert all(got["same"]) and all(got["want"]), got
+        assert all(got["same"]) and all(got["want"]) and all(got["in_flight"]), got
         assert got["refused"] and "'dp'" in got["refused"] and "(3,)" in got["refused"]
 
 

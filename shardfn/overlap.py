@@ -1,0 +1,53 @@
+"""Inductor options that let a compiled step run its collectives beside its compute.
+
+shardfn's compiled steps put every collective's issue before its wait, each issue
+where its input comes to exist (the gradient buckets of ``data_parallel`` and
+``shard_opt_state`` as the backward makes them, ``shard_params``' unit gathers before
+the forward's compute, the reduce-scatters of its backward). Whether inductor keeps
+them apart is its scheduler's choice, and its default peak-memory reordering
+(``reorder_for_peak_memory``) counts a collective's output buffer as live from the
+issue to the first read: it moves every out-of-place collective (all-gather,
+reduce-scatter, and the all-to-all gloo runs them as) next to its wait, one at a
+time after the compute, because that order holds the least memory. An all-reduce
+writes in place and keeps its overlap with the defaults.
+
+:func:`overlap_options` turns on the passes that torch's inductor configuration
+recommends for this (``reorder_for_compute_comm_overlap`` with
+``reorder_communication_preserving_peak_memory``, ``sink_waits_iterative``,
+``reorder_communication_preserving_peak_memory``): they move collectives earlier and
+waits later as long as the estimated peak memory does not grow. What they cost is
+compile time (a runtime estimate per node); the values are the same kernels in
+another order.
+
+Example:
+    >>> compiled = torch.compile(step, fullgraph=True, options=sf.overlap_options())
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["OVERLAP_PASSES", "overlap_options"]
+
+#: The passes, in order (the list that inductor's own config module recommends).
+OVERLAP_PASSES: tuple[str, ...] = (
+    "reorder_communication_preserving_peak_memory",
+    "sink_waits_iterative",
+    "reorder_communication_preserving_peak_memory",
+)
+
+
+def overlap_options() -> dict[str, Any]:
+    """Inductor options for ``torch.compile(..., options=...)`` that overlap collectives.
+
+    Returns:
+        A new dict: ``reorder_for_compute_comm_overlap`` on, with :data:`OVERLAP_PASSES`.
+        Merge your own options into it; ``backend="inductor"`` only (other backends
+        take no options).
+
+    Example:
+        >>> options = {**sf.overlap_options(), "max_autotune": False}
+        >>> compiled = torch.compile(step, fullgraph=True, options=options)
+    """
+    return {"reorder_for_compute_comm_overlap": True,
+            "reorder_for_compute_comm_overlap_passes": list(OVERLAP_PASSES)}
