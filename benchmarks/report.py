@@ -68,7 +68,7 @@ BENCHES = (
     Bench("data", "The data loader's throughput against the demo's step and torch's "
           "DataLoader", "bench_data.py", ()),
     Bench("compile", "Whole pure steps under torch.compile against the same steps eager",
-          "bench_compile.py", ()),
+          "bench_compile.py", ("--overlap",)),
     Bench("moe", "Expert parallelism: a Mixtral under sf.expert_parallel against the same "
           "model without ep, and the MoE layer against DeepSpeed-MoE", "bench_moe.py", ()),
 )
