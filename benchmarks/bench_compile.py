@@ -469,6 +469,12 @@ def rank_main(args: argparse.Namespace) -> RankOutput:
             eager = ctx.built[variant].params()
             compiled = ctx.built[variant + COMPILED].params()
             diff[variant] = max_over_ranks(rel_diff(compiled, eager))
+        if args.overlap:  # the reordered schedule must compute the same step
+            diff[variant + OVERLAP] = None
+            if variant in ok and variant + COMPILED + OVERLAP in ok:
+                diff[variant + OVERLAP] = max_over_ranks(rel_diff(
+                    ctx.built[variant + COMPILED + OVERLAP].params(),
+                    ctx.built[variant].params()))
     compile_s = {k: max_over_ranks(ctx.compile_s.get(k, -1.0)) for k in keys if COMPILED in k}
     recompiles = {k: int(max_over_ranks(ctx.recompiles.get(k, -1))) for k in keys
                   if COMPILED in k}
@@ -543,7 +549,7 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 HEADER = ["step", "peer", "eager ms", "compiled ms", "compiled / eager", "eager / peer",
           "compiled / peer", "compile s", "recompiles", "max rel diff compiled vs eager"]
-OVERLAP_HEADER = ["overlap options ms", "overlap / compiled"]
+OVERLAP_HEADER = ["overlap options ms", "overlap / compiled", "max rel diff overlap vs eager"]
 
 
 def table(variants: list[str], out: RankOutput, overlap: bool = False) -> str:
@@ -567,15 +573,18 @@ def table(variants: list[str], out: RankOutput, overlap: bool = False) -> str:
             f"{seconds:.1f}" if seconds >= 0 and compiled.median else "—",
             str(recompiles) if recompiles >= 0 and compiled.median else "—",
             "—" if diff is None else f"{diff:.1e}",
-            *_overlap_cells(by_key.get(key + COMPILED + OVERLAP), compiled, overlap)]) + " |")
+            *_overlap_cells(by_key.get(key + COMPILED + OVERLAP), compiled, overlap,
+                            out.diff.get(key + OVERLAP))]) + " |")
     return "\n".join(lines)
 
 
-def _overlap_cells(result: Result | None, compiled: Cells, overlap: bool) -> list[str]:
+def _overlap_cells(result: Result | None, compiled: Cells, overlap: bool,
+                   diff: float | None) -> list[str]:
     if not overlap:
         return []
     cells = _cells(result, True)
-    return [cells.text, _ratio(cells.median, compiled.median)]
+    return [cells.text, _ratio(cells.median, compiled.median),
+            "—" if diff is None else f"{diff:.1e}"]
 
 
 # ----------------------------------------------------------------------------- driver

@@ -27,7 +27,7 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -45,6 +45,7 @@ __all__ = [
     "get_unwrapped",
     "group_sequence_number",
     "in_transform",
+    "InOrderCommPass",
     "is_differentiated",
     "is_functorch_wrapped",
     "process_groups",
@@ -218,3 +219,30 @@ def constant_result(fn: Any) -> Any:
     """
     setattr(fn, _CONSTANT_MARK, True)
     return fn
+
+
+class InOrderCommPass(NamedTuple):
+    """Inductor's compute/communication reordering pass ``name`` (a function of
+    ``torch._inductor.comms``), run with the collectives kept in the graph's order.
+
+    torch 2.13 lets these passes swap two collectives by default
+    (``config_comms.*_unsafe_collectives_reorder``, "must be used with runtime
+    estimations aligned across ranks"); a rank's graph differs from the others' (its own
+    pieces and blocks), so the estimates and then the collectives' order can differ from
+    rank to rank: gloo aborts on mismatched sizes, equal sizes would mix the data. This
+    runs the pass with both switches off. A NamedTuple so inductor's cache can pickle it.
+
+    Example:
+        >>> passes = [InOrderCommPass("sink_waits_iterative")]
+        >>> options = {"reorder_for_compute_comm_overlap": True,
+        ...            "reorder_for_compute_comm_overlap_passes": passes}
+    """
+
+    name: str
+
+    def __call__(self, snodes: list) -> list:
+        from torch._inductor import comms, config_comms  # only when inductor schedules
+
+        with config_comms.patch(reorder_iterative_unsafe_collectives_reorder=False,
+                                sink_waits_iterative_unsafe_collectives_reorder=False):
+            return getattr(comms, self.name)(snodes)

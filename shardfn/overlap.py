@@ -15,7 +15,12 @@ writes in place and keeps its overlap with the defaults.
 recommends for this (``reorder_for_compute_comm_overlap`` with
 ``reorder_communication_preserving_peak_memory``, ``sink_waits_iterative``,
 ``reorder_communication_preserving_peak_memory``): they move collectives earlier and
-waits later as long as the estimated peak memory does not grow. What they cost is
+waits later as long as the estimated peak memory does not grow. torch lets them swap two
+collectives too, which is unsafe here: every rank compiles its own graph (its own ZeRO
+pieces), so their estimates, and then the order in which the ranks issue collectives,
+could differ (gloo aborted on mismatched sizes in our ZeRO-1 test; equal sizes would mix
+the data). The passes here keep the collectives in the graph's order (the program's
+order, the same on every rank) and move only compute and waits around them. What they cost is
 compile time (a runtime estimate per node); the values are the same kernels in
 another order.
 
@@ -26,6 +31,8 @@ Example:
 from __future__ import annotations
 
 from typing import Any
+
+from shardfn._torch_internals import InOrderCommPass
 
 __all__ = ["OVERLAP_PASSES", "overlap_options"]
 
@@ -41,7 +48,8 @@ def overlap_options() -> dict[str, Any]:
     """Inductor options for ``torch.compile(..., options=...)`` that overlap collectives.
 
     Returns:
-        A new dict: ``reorder_for_compute_comm_overlap`` on, with :data:`OVERLAP_PASSES`.
+        A new dict: ``reorder_for_compute_comm_overlap`` on, with :data:`OVERLAP_PASSES`,
+        each run with the collectives kept in the graph's order (the same on every rank).
         Merge your own options into it; ``backend="inductor"`` only (other backends
         take no options).
 
@@ -50,4 +58,5 @@ def overlap_options() -> dict[str, Any]:
         >>> compiled = torch.compile(step, fullgraph=True, options=options)
     """
     return {"reorder_for_compute_comm_overlap": True,
-            "reorder_for_compute_comm_overlap_passes": list(OVERLAP_PASSES)}
+            "reorder_for_compute_comm_overlap_passes": [InOrderCommPass(name)
+                                                        for name in OVERLAP_PASSES]}

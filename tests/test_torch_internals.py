@@ -334,6 +334,33 @@ def test_constant_result_marks_a_function_as_torch_compiler_does():
     assert marks and marks == {k for k in vars(ours)}
 
 
+def test_in_order_comm_pass_runs_torch_pass_with_collectives_in_order():
+    """It calls inductor's pass of that name with both unsafe-reorder switches off (and
+    restores them), and pickles (inductor's cache keys hold the options)."""
+    import pickle
+    from unittest import mock
+
+    from torch._inductor import comms, config_comms
+
+    seen = []
+
+    def fake(snodes):
+        seen.append((config_comms.reorder_iterative_unsafe_collectives_reorder,
+                     config_comms.sink_waits_iterative_unsafe_collectives_reorder))
+        return snodes[::-1]
+
+    before = (config_comms.reorder_iterative_unsafe_collectives_reorder,
+              config_comms.sink_waits_iterative_unsafe_collectives_reorder)
+    with mock.patch.object(comms, "sink_waits_iterative", fake):
+        assert ti.InOrderCommPass("sink_waits_iterative")([1, 2, 3]) == [3, 2, 1]
+    assert seen == [(False, False)]
+    assert (config_comms.reorder_iterative_unsafe_collectives_reorder,
+            config_comms.sink_waits_iterative_unsafe_collectives_reorder) == before
+    assert pickle.loads(pickle.dumps(ti.InOrderCommPass("x"))) == ti.InOrderCommPass("x")
+    for name in ("reorder_communication_preserving_peak_memory", "sink_waits_iterative"):
+        assert callable(getattr(comms, name))  # the names overlap_options uses exist
+
+
 def test_every_internal_has_a_test_here():
     """A name added to ``_torch_internals.__all__`` gets a behaviour test in this file."""
     import inspect

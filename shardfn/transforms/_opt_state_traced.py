@@ -82,7 +82,10 @@ def reduce_scatter_traced(part: FlatPartition, flats: list[torch.Tensor], frozen
     """
     dtypes = [f.dtype for f in flats]
     issued: list[tuple[int, FlatPending]] = []
-    for b, plan in enumerate(part.plans):  # every bucket in flight before the first wait
+    # every bucket in flight before the first wait, the last bucket first: the backward
+    # makes the last leaves' gradients first, and the collectives keep this order
+    for b in reversed(range(len(part.plans))):
+        plan = part.plans[b]
         dtype = _bucket_dtype(part, b, dtypes, frozen)
         if dtype is None:
             continue
@@ -92,7 +95,7 @@ def reduce_scatter_traced(part: FlatPartition, flats: list[torch.Tensor], frozen
                                if leaf not in frozen], plan.block, flats[0], dtype)
         issued.append((b, psum_scatter_flat_start(torch.cat(blocks), ax)))
     parts: list[list[torch.Tensor]] = [[] for _ in flats]
-    for b, pending in issued:
+    for b, pending in reversed(issued):  # bucket order: a leaf's pieces in order
         plan = part.plans[b]
         mine = wait_flat(pending)
         divisors = (piece_divisors(plan, ax.index, divide) if isinstance(divide, list)

@@ -23,7 +23,7 @@ def _step(kind: str):
     import shardfn as sf
     from tests.compile.test_compile_zero3_tp import _case
 
-    if kind in ("zero3", "tp_sp"):
+    if kind in ("zero3", "tp_sp", "fsdp_tp"):
         model, loss_fn, batches = _case(kind)
         opt = sf.optim.adamw(1e-2)
         params, rest = model.split_trainable(model.init(0))
@@ -142,15 +142,18 @@ def test_sharded_steps_overlap_with_overlap_options(worlds, kind):
     steps are in flight while matmuls run (ZeRO-1/2: reduce-scatters issued inside the
     backward), more of them than with inductor's defaults, whose peak-memory reordering
     puts most out-of-place collectives right before their waits (docs/compile.md,
-    "Overlap"). TP + SP with the defaults: none at all."""
+    "Overlap"). ZeRO-1 and TP + SP with the defaults: none at all. (The options keep the
+    collectives in the graph's order: ``test_compile_dp.py``'s inductor ZeRO-1 test
+    aborted on mismatched all-to-alls with torch's own passes.)"""
     for rank, (tuned, default) in enumerate(worlds(2).run(_both_orders, kind)):
         flight, before = _matmuls_in_flight(tuned), _matmuls_in_flight(default)
-        assert sum(1 for n in flight if n > 0) >= 2, (rank, tuned)
+        # ZeRO-1's small model: its last bucket's reduce-scatter beside the backward
+        assert sum(1 for n in flight if n > 0) >= (1 if kind == "zero1" else 2), (rank, tuned)
         assert sum(flight) > sum(before), (rank, tuned, default)
         if kind.startswith("zero") and kind != "zero3":
             first_issue = next(i for i, t in enumerate(tuned) if t.startswith("I"))
             assert "m" in tuned[first_issue:], (rank, tuned)  # issued before the last matmul
-        if kind == "tp_sp":
+        if kind != "zero3":
             assert sum(before) == 0, (rank, default)
 
 
