@@ -50,8 +50,8 @@ def overlap_options() -> dict[str, Any]:
     Returns:
         A new dict: ``reorder_for_compute_comm_overlap`` on, with :data:`OVERLAP_PASSES`,
         each run with the collectives kept in the graph's order (the same on every rank).
-        Merge your own options into it; ``backend="inductor"`` only (other backends
-        take no options).
+        Merge your own options into it. For ``backend="inductor"`` (the default);
+        aot_autograd backends such as ``"aot_eager"`` ignore them with a warning.
 
     Example:
         >>> options = {**sf.overlap_options(), "max_autotune": False}
