@@ -166,7 +166,7 @@ def _swapped(module: Any, name: str, value: Any) -> Iterator[None]:
         setattr(module, name, old)
 
 
-def build(key: str, quick: bool, total_steps: int, cache: dict) -> Built:
+def build(key: str, quick: bool, total_steps: int, cache: dict, tp_model: str = "gpt") -> Built:
     """Set up ``key`` with bench_dp's / bench_tp's own setup code (``+engine``: with
     ``torch.func.grad_and_value`` swapped for shardfn's engine ``grad_and_value`` during the
     setup; ``+nocg``: its steps run with ``create_graph=False``)."""
@@ -181,7 +181,7 @@ def build(key: str, quick: bool, total_steps: int, cache: dict) -> Built:
     with swap:
         if base.endswith("tp"):
             if "tp" not in cache:
-                cache["tp"] = bench_tp.build_model("gpt", bench_tp.QUICK if quick else
+                cache["tp"] = bench_tp.build_model(tp_model, bench_tp.QUICK if quick else
                                                    bench_tp.FULL, total_steps)
             setup = bench_tp.setup_torch if base == "torch-tp" else bench_tp.setup_shardfn
             system = setup(cache["tp"], False)
@@ -318,7 +318,7 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
     systems, errors = {}, {}
     for key in keys:
         try:
-            systems[key] = build(key, args.quick, total, cache)
+            systems[key] = build(key, args.quick, total, cache, args.tp_model)
         except Exception as e:  # noqa: BLE001 - a variant that cannot be built is reported
             errors[key] = f"{type(e).__name__}: {e}".splitlines()[0][:160]
     timed = {k: {"wall": [], "cpu": [], "minflt": []} for k in systems}
@@ -368,12 +368,13 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- tables
 
 
-def tables(result: dict[str, Any], groups: list[str], top: int) -> str:
-    """The markdown tables of one run (rank 0's numbers)."""
+def tables(result: dict[str, Any], groups: list[str], top: int, tp_model: str = "gpt") -> str:
+    """The markdown tables of one run (rank 0's numbers); ``tp_model`` names the tp rows'."""
     timed, prof, memory = result["timed"], result["profiles"], result["memory"]
     lines: list[str] = []
     for group in groups:
-        rows = [(k, what, peer) for k, what, peer in GROUPS[group] if k in prof]
+        rows = [(k, what.replace("GPT", tp_model.upper()) if group == "tp" else what, peer)
+                for k, what, peer in GROUPS[group] if k in prof]
         failed = [(k, result["errors"][k]) for k, _, _ in GROUPS[group] if k in result["errors"]]
         lines += [f"\n#### {group}: time by phase (ms of a step, rank 0; medians)\n",
                   "| system | wall ms (ratio) | CPU ms (ratio) | minor faults | "
@@ -451,6 +452,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profiled", type=int, default=3, help="profiled rounds")
     parser.add_argument("--top", type=int, default=12, help="rows of the op tables")
     parser.add_argument("--quick", action="store_true", help="tiny models: a smoke test")
+    parser.add_argument("--tp-model", choices=["gpt", "mlp"], default="gpt",
+                        help="the tp group's model (bench_tp's, without sequence parallelism)")
     parser.add_argument("--systems", nargs="+", default=None,
                         help="only these systems (keys of GROUPS), e.g. ddp sf-dp-pure")
     parser.add_argument("--keep-freed-memory", action="store_true",
@@ -473,7 +476,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     with local_world(args.ranks, timeout=900.0, check=False) as world:
         result = world.run(rank_main, args)[0]
-    print(tables(result, args.groups, args.top))
+    print(tables(result, args.groups, args.top, args.tp_model))
     if "tp" in args.groups:
         print(memory_diff(result, "sf-tp", "torch-tp", args.top))
         print(memory_diff(result, "sf-tp", "sf-tp+nocg", args.top))
