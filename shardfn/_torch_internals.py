@@ -46,6 +46,7 @@ __all__ = [
     "group_sequence_number",
     "in_transform",
     "InOrderCommPass",
+    "unsafe_overlap_passes",
     "is_differentiated",
     "is_functorch_wrapped",
     "process_groups",
@@ -246,3 +247,41 @@ class InOrderCommPass(NamedTuple):
         with config_comms.patch(reorder_iterative_unsafe_collectives_reorder=False,
                                 sink_waits_iterative_unsafe_collectives_reorder=False):
             return getattr(comms, self.name)(snodes)
+
+
+_UNSAFE_SWITCH = {"reorder_communication_preserving_peak_memory":
+                  "reorder_iterative_unsafe_collectives_reorder",
+                  "sink_waits_iterative": "sink_waits_iterative_unsafe_collectives_reorder"}
+
+
+def unsafe_overlap_passes() -> list[str]:
+    """The overlap passes set in inductor's global config that may swap two collectives.
+
+    Reads ``torch._inductor.config`` only if it is imported already (no inductor import):
+    with ``reorder_for_compute_comm_overlap`` on, each of
+    ``reorder_for_compute_comm_overlap_passes`` named ``reorder_communication_preserving_
+    peak_memory`` or ``sink_waits_iterative`` (a string or torch's function) whose
+    ``config_comms.*_unsafe_collectives_reorder`` switch is on. :class:`InOrderCommPass`
+    entries are safe. Options given to ``torch.compile(options=...)`` are not seen here.
+
+    Returns:
+        Their names, in order (empty: nothing unsafe configured).
+
+    Example:
+        >>> unsafe_overlap_passes()
+        []
+    """
+    import sys
+
+    config = sys.modules.get("torch._inductor.config")
+    comms = sys.modules.get("torch._inductor.config_comms")
+    if config is None or comms is None or not config.reorder_for_compute_comm_overlap:
+        return []
+    out = []
+    for p in config.reorder_for_compute_comm_overlap_passes:
+        if isinstance(p, InOrderCommPass):
+            continue
+        name = p if isinstance(p, str) else getattr(p, "__name__", "")
+        if name in _UNSAFE_SWITCH and getattr(comms, _UNSAFE_SWITCH[name]):
+            out.append(name)
+    return out

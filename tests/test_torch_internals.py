@@ -361,6 +361,25 @@ def test_in_order_comm_pass_runs_torch_pass_with_collectives_in_order():
         assert callable(getattr(comms, name))  # the names overlap_options uses exist
 
 
+def test_unsafe_overlap_passes_reads_inductors_global_config():
+    import torch._inductor.config as config
+    from torch._inductor import comms, config_comms
+
+    assert ti.unsafe_overlap_passes() == []  # the default: no overlap passes
+    passes = ["sink_waits_iterative", comms.reorder_communication_preserving_peak_memory,
+              ti.InOrderCommPass("sink_waits_iterative"), "raise_comms"]
+    with config.patch(reorder_for_compute_comm_overlap=True,
+                      reorder_for_compute_comm_overlap_passes=passes):
+        assert ti.unsafe_overlap_passes() == ["sink_waits_iterative",
+                                              "reorder_communication_preserving_peak_memory"]
+        with config_comms.patch(sink_waits_iterative_unsafe_collectives_reorder=False):
+            assert ti.unsafe_overlap_passes() == [
+                "reorder_communication_preserving_peak_memory"]
+    with config.patch(reorder_for_compute_comm_overlap=False,
+                      reorder_for_compute_comm_overlap_passes=passes):
+        assert ti.unsafe_overlap_passes() == []
+
+
 def test_every_internal_has_a_test_here():
     """A name added to ``_torch_internals.__all__`` gets a behaviour test in this file."""
     import inspect

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from shardfn._torch_internals import c10d_functional as _ops
 from shardfn.mesh import AxisName, Mesh, get_mesh
-from shardfn.primitives import stats
+from shardfn.primitives import _compiled, stats
 
 
 class Axis(NamedTuple):
@@ -83,6 +83,8 @@ def _issue(ax: Axis, op: str, nbytes: float, call: Callable[[], torch.Tensor]) -
     that ``torch.compile`` traces only ``call()`` (no Python counters in a graph: the stats
     miss it, said once by a warning)."""
     if not stats.counting():
+        if _compiled.tracing():
+            _compiled.refuse_unsafe_overlap()
         return call()
     stats.record(ax.key, op, nbytes)
     with stats.collective_scope(ax.describe(op)):

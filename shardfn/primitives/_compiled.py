@@ -21,9 +21,9 @@ from typing import Literal
 
 import torch
 
-from shardfn._torch_internals import constant_result
+from shardfn._torch_internals import constant_result, unsafe_overlap_passes
 
-__all__ = ["Feature", "MESSAGES", "skipped", "tracing"]
+__all__ = ["Feature", "MESSAGES", "refuse_unsafe_overlap", "skipped", "tracing"]
 
 Feature = Literal["check_mode", "comm_stats"]
 
@@ -85,3 +85,31 @@ def skipped(feature: Feature) -> None:
         _warn_check_mode()
     else:
         _warn_comm_stats()
+
+
+@constant_result
+def _unsafe_overlap_message() -> str:
+    names = unsafe_overlap_passes()
+    if not names:
+        return ""
+    return (f"inductor's global config runs the overlap passes {names} with "
+            "inductor's config_comms *_unsafe_collectives_reorder on: they may issue "
+            "two collectives in another order on each rank (each rank compiles its own graph), "
+            "which hangs or mixes the data. Pass options=sf.overlap_options() to "
+            "torch.compile instead (the same passes, collectives kept in order), or set "
+            "reorder_iterative_unsafe_collectives_reorder and "
+            "sink_waits_iterative_unsafe_collectives_reorder to False")
+
+
+def refuse_unsafe_overlap() -> None:
+    """Raise in code being traced if inductor's global config may reorder its collectives.
+
+    Called where shardfn issues a collective in traced code: at trace time it reads the
+    global config once per trace (``assume_constant_result``: nothing in the graph).
+
+    Raises:
+        RuntimeError: naming the passes and the fix (``sf.overlap_options()``).
+    """
+    message = _unsafe_overlap_message()
+    if message:
+        raise RuntimeError(message)

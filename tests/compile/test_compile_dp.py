@@ -216,3 +216,47 @@ def test_collectives_inside_a_compiled_grad_are_eager_bitwise(worlds):
         for name, (eager, compiled) in got.items():
             assert torch.equal(eager, compiled), (rank, name, eager, compiled)
         assert got["pvary"][1].tolist() == [0.0, 3.0, 6.0, 9.0]  # x summed over both ranks
+
+
+def _zero1_under_global_overlap_passes(passes_kind: str) -> str:
+    """A ZeRO-1 step compiled (aot_eager) while inductor's global config runs overlap passes."""
+    import torch._dynamo
+    import torch._inductor.config as config
+    from torch._inductor import config_comms  # noqa: F401 - the switches the check reads
+
+    import shardfn as sf
+    from shardfn._torch_internals import InOrderCommPass
+
+    torch._dynamo.reset()
+    mesh = sf.Mesh({"dp": 2})
+    model = sf.functional(torch.nn.Linear(4, 2))
+    opt = sf.shard_opt_state(sf.optim.adamw(1e-2), mesh, "dp")
+    params = model.init(0)
+    state = opt.init(params)
+
+    def step(params, state, x):
+        grads = torch.func.grad(lambda p: model.apply(p, x).square().mean())(params)
+        updates, state = opt.update(grads, state, params)
+        return sf.optim.apply_updates(params, updates), state
+
+    passes = (["sink_waits_iterative"] if passes_kind == "torch"
+              else [InOrderCommPass("sink_waits_iterative")])
+    with config.patch(reorder_for_compute_comm_overlap=True,
+                      reorder_for_compute_comm_overlap_passes=passes):
+        try:
+            torch.compile(step, fullgraph=True, backend="aot_eager")(params, state,
+                                                                     torch.randn(3, 4))
+            return "compiled"
+        except Exception as error:  # dynamo wraps the traced raise
+            return str(error)
+        finally:
+            torch._dynamo.reset()
+
+
+def test_torchs_own_overlap_passes_in_the_global_config_are_refused(worlds):
+    """They may issue the ranks' (different) graphs' collectives in different orders: a
+    hang or mixed data. Refused by name at trace time, with the fix; shardfn's in-order
+    passes compile."""
+    for got in worlds(2).run(_zero1_under_global_overlap_passes, "torch"):
+        assert "['sink_waits_iterative']" in got and "sf.overlap_options()" in got, got
+    assert worlds(2).run(_zero1_under_global_overlap_passes, "in_order") == ["compiled"] * 2
