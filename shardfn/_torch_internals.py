@@ -46,7 +46,6 @@ __all__ = [
     "group_sequence_number",
     "in_transform",
     "InOrderCommPass",
-    "unsafe_overlap_passes",
     "is_differentiated",
     "is_functorch_wrapped",
     "process_groups",
@@ -55,6 +54,7 @@ __all__ = [
     "torch_tree_flatten",
     "torch_tree_leaves",
     "torch_tree_unflatten",
+    "unsafe_overlap_passes",
     "unwrap_functorch",
 ]
 

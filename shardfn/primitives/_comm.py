@@ -14,9 +14,10 @@ check-mode hooks before calling these; nothing here is hooked. In code that
 mark: see :mod:`shardfn.primitives._compiled`).
 
 The ``*_start`` functions and :func:`wait` split psum, all_gather and psum_scatter
-into the issue and the wait, for code that wants compute to run while a collective
-is in flight: in a compiled step inductor then issues each collective as soon as its
-input exists and waits just before the result's first use (docs/compile.md, "Overlap").
+into the issue and the wait (the one-call ops are the two in a row), for code that
+wants compute to run while a collective is in flight: in a compiled step inductor then
+issues each collective as soon as its input exists and waits just before the result's
+first use (docs/compile.md, "Overlap").
 """
 
 from __future__ import annotations
@@ -82,9 +83,8 @@ def _issue(ax: Axis, op: str, nbytes: float, call: Callable[[], torch.Tensor]) -
     """``call()``, counted in the comm stats and marked in flight for hang reports; in code
     that ``torch.compile`` traces only ``call()`` (no Python counters in a graph: the stats
     miss it, said once by a warning)."""
-    if not stats.counting():
-        if _compiled.tracing():
-            _compiled.refuse_unsafe_overlap()
+    if not stats.counting():  # traced code
+        _compiled.refuse_unsafe_overlap()
         return call()
     stats.record(ax.key, op, nbytes)
     with stats.collective_scope(ax.describe(op)):
@@ -106,25 +106,15 @@ def _complex_as_real(op: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
     return wrapper
 
 
-@_complex_as_real
 def psum(x: torch.Tensor, ax: Axis) -> torch.Tensor:
-    """Sum ``x`` over the ranks of ``ax``."""
-    if ax.size == 1:
-        return x.clone()
-    return _issue(ax, "psum", 2 * _nbytes(x) * (ax.size - 1) / ax.size,
-                  lambda: _ops.wait_tensor(_ops.all_reduce(x.contiguous(), "sum", ax.group_name)))
+    """Sum ``x`` over the ranks of ``ax`` (:func:`psum_start`, then :func:`wait`)."""
+    return wait(psum_start(x, ax))
 
 
-@_complex_as_real
 def all_gather(x: torch.Tensor, ax: Axis, dim: int) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` in axis-index order."""
-    if ax.size == 1:
-        return x.clone()
-    moved = x.movedim(dim, 0).contiguous()
-    out = _issue(ax, "all_gather", _nbytes(x) * (ax.size - 1),
-                 lambda: _ops.wait_tensor(_ops.all_gather_into_tensor(moved, ax.size,
-                                                                      ax.group_name)))
-    return out.movedim(0, dim).contiguous()  # a row-major result, as torch.cat gives
+    """Concatenate every rank's ``x`` along ``dim`` in axis-index order (row-major, as
+    ``torch.cat`` gives; :func:`all_gather_start`, then :func:`wait`)."""
+    return wait(all_gather_start(x, ax, dim))
 
 
 def _check_scatter_dim(x: torch.Tensor, ax: Axis, dim: int) -> None:
@@ -136,17 +126,10 @@ def _check_scatter_dim(x: torch.Tensor, ax: Axis, dim: int) -> None:
         )
 
 
-@_complex_as_real
 def psum_scatter(x: torch.Tensor, ax: Axis, dim: int) -> torch.Tensor:
-    """Sum ``x`` over the axis and keep this rank's block of ``dim``."""
-    _check_scatter_dim(x, ax, dim)
-    if ax.size == 1:
-        return x.clone()
-    moved = x.movedim(dim, 0).contiguous()
-    out = _issue(ax, "psum_scatter", _nbytes(x) * (ax.size - 1) / ax.size,
-                 lambda: _ops.wait_tensor(_ops.reduce_scatter_tensor(moved, "sum", ax.size,
-                                                                     ax.group_name)))
-    return out.movedim(0, dim).contiguous()
+    """Sum ``x`` over the axis and keep this rank's block of ``dim``
+    (:func:`psum_scatter_start`, then :func:`wait`)."""
+    return wait(psum_scatter_start(x, ax, dim))
 
 
 @_complex_as_real
@@ -234,7 +217,7 @@ def psum_start(x: torch.Tensor, ax: Axis) -> Pending:
         ax: the resolved axis.
 
     Returns:
-        A :class:`Pending`; ``wait(psum_start(x, ax))`` equals ``psum(x, ax)`` bitwise.
+        A :class:`Pending`; ``wait(...)`` gives the sum over the axis.
 
     Example:
         >>> issued = [psum_start(flat, ax) for flat in buckets]   # all in flight
@@ -255,7 +238,7 @@ def all_gather_start(x: torch.Tensor, ax: Axis, dim: int) -> Pending:
         dim: the dim to concatenate the ranks' blocks on.
 
     Returns:
-        A :class:`Pending`; ``wait(...)`` equals ``all_gather(x, ax, dim)`` bitwise.
+        A :class:`Pending`; ``wait(...)`` gives every rank's block along ``dim``.
 
     Example:
         >>> next_unit = all_gather_start(shard, ax, 0)   # before this unit's compute
@@ -275,7 +258,7 @@ def psum_scatter_start(x: torch.Tensor, ax: Axis, dim: int) -> Pending:
         dim: the dim to scatter.
 
     Returns:
-        A :class:`Pending`; ``wait(...)`` equals ``psum_scatter(x, ax, dim)`` bitwise.
+        A :class:`Pending`; ``wait(...)`` gives this rank's block of the sum.
 
     Raises:
         ValueError: when ``dim`` is not divisible by the axis size.
