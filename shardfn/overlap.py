@@ -6,9 +6,9 @@ where its input comes to exist (the gradient buckets of ``data_parallel`` and
 the forward's compute, the reduce-scatters of its backward). Whether inductor keeps
 them apart is its scheduler's choice, and its default peak-memory reordering
 (``reorder_for_peak_memory``) counts a collective's output buffer as live from the
-issue to the first read: it moves every out-of-place collective (all-gather,
-reduce-scatter, and the all-to-all gloo runs them as) next to its wait, one at a
-time after the compute, because that order holds the least memory. An all-reduce
+issue to the first read: it moves most out-of-place collectives (all-gather,
+reduce-scatter, and the all-to-all gloo runs them as) next to their waits, one at a
+time, because that order holds the least memory. An all-reduce
 writes in place and keeps its overlap with the defaults.
 
 :func:`overlap_options` turns on the passes that torch's inductor configuration
